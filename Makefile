@@ -1,0 +1,36 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Each creates the virtual
+# environment and installs what it needs first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch/torchvision are pinned to the releases this machine's pip mirror carries
+# (timm needs torchvision); everything else comes from pyproject.toml.
+TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
+export OMP_NUM_THREADS ?= 1
+export PYTHONUNBUFFERED := 1
+
+.PHONY: demo test lint format install clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH_PINS)
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(PY) examples/image_classification.py fit --config examples/configs/demo.yaml
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(VENV)/.installed
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: lint
+	$(PY) -m pytest -q -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) results lightning_logs

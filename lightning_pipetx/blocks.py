@@ -1,0 +1,166 @@
+"""Find a model's block list and split the model into ``pre`` + ``blocks`` + ``post``.
+
+A Transformer is seen as ``pre`` (everything that runs before block 0: embeddings, patch
+embedding, class tokens), the block list ``blocks[0..L)``, and ``post`` (final norm, pooler,
+head). The block list is the container with the most parameters among the
+``nn.ModuleList``/``nn.Sequential`` modules whose children (two or more) all have one type;
+a dotted path overrides the search.
+
+``pre`` and ``post`` are decided by position in the module tree: along the chain of modules
+from the root down to the block list, children registered before the chain's next link are
+``pre`` and children registered after it are ``post``. Parameters held directly by a module
+on that chain (a ViT's ``cls_token`` and ``pos_embed``) are ``pre``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from torch import nn
+
+
+class BlockListNotFoundError(ValueError):
+    """Raised when a model has no block list, or the given ``blocks=`` path is not one."""
+
+
+@dataclass(frozen=True)
+class BlockSplit:
+    """A model seen as ``pre`` + ``blocks`` + ``post``.
+
+    Attributes:
+        root: the module that was searched (a LightningModule or any ``nn.Module``).
+        path: dotted path of the block list inside ``root``.
+        blocks: the block list itself.
+        pre: ``(name, module)`` pairs that run before block 0, by path inside ``root``.
+        post: ``(name, module)`` pairs that run after the last block.
+        pre_direct_params: ``(name, parameter)`` pairs held directly by a module on the
+            chain from ``root`` to the block list; they count as ``pre``.
+    """
+
+    root: nn.Module
+    path: str
+    blocks: nn.Module
+    pre: tuple[tuple[str, nn.Module], ...]
+    post: tuple[tuple[str, nn.Module], ...]
+    pre_direct_params: tuple[tuple[str, nn.Parameter], ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def block(self, index: int) -> nn.Module:
+        return self.blocks[index]
+
+    def pre_parameters(self) -> Iterator[nn.Parameter]:
+        """Parameters of ``pre`` (including those held directly on the chain), each once."""
+        seen: set[int] = set()
+        for _, param in self.pre_direct_params:
+            if id(param) not in seen:
+                seen.add(id(param))
+                yield param
+        for _, module in self.pre:
+            for param in module.parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield param
+
+    def block_parameters(self, index: int) -> Iterator[nn.Parameter]:
+        return self.blocks[index].parameters()
+
+    def prefix_modules(self, num_frozen: int) -> list[nn.Module]:
+        """``pre`` modules and blocks ``[0, num_frozen)``: what freezing ``num_frozen`` blocks covers."""
+        if num_frozen <= 0:
+            return []
+        return [module for _, module in self.pre] + [self.blocks[i] for i in range(num_frozen)]
+
+    def prefix_parameters(self, num_frozen: int) -> list[nn.Parameter]:
+        """Parameters of ``pre`` and blocks ``[0, num_frozen)``."""
+        if num_frozen <= 0:
+            return []
+        params = list(self.pre_parameters())
+        for i in range(num_frozen):
+            params.extend(self.block_parameters(i))
+        return params
+
+
+def _is_block_list(module: nn.Module) -> bool:
+    if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+        return False
+    children = list(module.children())
+    first = type(children[0])
+    return all(type(child) is first for child in children) and any(
+        True for _ in children[0].parameters()
+    )
+
+
+def _num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _find_block_path(root: nn.Module) -> str | None:
+    best: tuple[int, int, int] | None = None
+    best_path = None
+    for name, module in root.named_modules():
+        if not name or not _is_block_list(module):
+            continue
+        # Most parameters wins; then more blocks; then the shallower path.
+        key = (_num_params(module), len(module), -name.count("."))
+        if best is None or key > best:
+            best, best_path = key, name
+    return best_path
+
+
+def _resolve(root: nn.Module, path: str) -> nn.Module:
+    module = root
+    for part in path.split("."):
+        if not hasattr(module, part):
+            raise BlockListNotFoundError(
+                f"blocks={path!r}: {type(module).__name__} has no attribute {part!r}. "
+                f"Pass the dotted path of the model's block list inside {type(root).__name__}, "
+                f"for example blocks='model.bert.encoder.layer'."
+            )
+        module = getattr(module, part)
+    if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 1:
+        raise BlockListNotFoundError(
+            f"blocks={path!r} points to a {type(module).__name__}, not a non-empty "
+            f"nn.ModuleList or nn.Sequential of blocks."
+        )
+    return module
+
+
+def find_blocks(root: nn.Module, path: str | None = None) -> BlockSplit:
+    """Split ``root`` into ``pre`` + ``blocks`` + ``post``.
+
+    Args:
+        root: a LightningModule or any ``nn.Module`` holding the Transformer.
+        path: dotted path of the block list inside ``root``; found automatically when None.
+
+    Raises:
+        BlockListNotFoundError: no block list was found, or ``path`` does not name one.
+    """
+    if path is None:
+        path = _find_block_path(root)
+        if path is None:
+            raise BlockListNotFoundError(
+                f"Could not find a block list in {type(root).__name__}: no nn.ModuleList or "
+                f"nn.Sequential of two or more same-typed children with parameters. Pass its "
+                f"dotted path, for example FreezeCallback(blocks='model.encoder.layers') or "
+                f"ElasticPipelineStrategy(blocks='model.encoder.layers')."
+            )
+    blocks = _resolve(root, path)
+
+    pre: list[tuple[str, nn.Module]] = []
+    post: list[tuple[str, nn.Module]] = []
+    direct: list[tuple[str, nn.Parameter]] = []
+    module, prefix = root, ""
+    for part in path.split("."):
+        direct.extend((prefix + n, p) for n, p in module.named_parameters(recurse=False))
+        side = pre
+        for name, child in module.named_children():
+            if name == part:
+                side = post
+            else:
+                side.append((prefix + name, child))
+        module, prefix = getattr(module, part), prefix + part + "."
+    return BlockSplit(root, path, blocks, tuple(pre), tuple(post), tuple(direct))

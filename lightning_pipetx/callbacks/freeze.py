@@ -1,0 +1,248 @@
+"""FreezeCallback: progressive freezing of a Transformer's leading blocks."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+from lightning.pytorch.utilities.data import extract_batch_size
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_pipetx.blocks import BlockSplit, find_blocks
+from lightning_pipetx.callbacks.freeze_rule import FreezeDecision, decide
+
+log = logging.getLogger("lightning_pipetx")
+
+_SIGNALS = ("grad_norm", "schedule")
+
+
+class FreezeCallback(Callback):
+    """Freeze a growing prefix of the model's blocks between epochs (PipeTransformer's rule).
+
+    Every ``freeze_interval`` epochs, all ranks take the same decision: the new number of
+    frozen leading blocks is the smallest of the alpha progression bound, the active block
+    with the smallest gradient norm accumulated over the interval (that block included), and
+    ``L - min_active_blocks``. Freezing ``F`` blocks turns off ``requires_grad`` for ``pre``
+    (embeddings) and blocks ``[0, F)``, keeps them in eval mode (no dropout) and so takes
+    them out of backward and of the optimizer step. Blocks are never unfrozen.
+
+    Args:
+        alpha: progression bound in (0, 1]: at most ``ceil(alpha * active)`` more blocks
+            freeze per decision.
+        freeze_interval: epochs between decisions.
+        min_active_blocks: never freeze more than ``L - min_active_blocks`` blocks.
+        signal: ``"grad_norm"`` (both terms of the rule) or ``"schedule"`` (the closed form
+            ``ceil(L * (1 - (1 - alpha) ** T))`` alone).
+        blocks: dotted path of the block list inside the LightningModule; found
+            automatically when None.
+
+    Logs ``pipetx/frozen_blocks`` (blocks frozen during the epoch) and
+    ``pipetx/samples_per_sec`` (training throughput over all data-parallel replicas) every
+    epoch, and one line per decision.
+    """
+
+    def __init__(
+        self,
+        alpha: float = 1 / 3,
+        freeze_interval: int = 1,
+        min_active_blocks: int = 1,
+        signal: str = "grad_norm",
+        blocks: str | None = None,
+    ) -> None:
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"FreezeCallback(alpha={alpha}): alpha must be in (0, 1], e.g. 1/3.")
+        if not isinstance(freeze_interval, int) or freeze_interval < 1:
+            raise ValueError(f"FreezeCallback(freeze_interval={freeze_interval!r}): use a whole number >= 1.")
+        if not isinstance(min_active_blocks, int) or min_active_blocks < 1:
+            raise ValueError(
+                f"FreezeCallback(min_active_blocks={min_active_blocks!r}): use a whole number >= 1; "
+                f"at least one block must stay trainable."
+            )
+        if signal not in _SIGNALS:
+            raise ValueError(f"FreezeCallback(signal={signal!r}): choose one of {_SIGNALS}.")
+        self.alpha = alpha
+        self.freeze_interval = freeze_interval
+        self.min_active_blocks = min_active_blocks
+        self.signal = signal
+        self.blocks = blocks
+
+        self.frozen_blocks = 0
+        self.decisions = 0
+        self.last_decision: FreezeDecision | None = None
+        self._norm_sums: torch.Tensor | None = None
+        self._norm_steps = 0
+        self._split: BlockSplit | None = None
+        self._epoch_samples = 0
+        self._epoch_seconds = 0.0
+        self._last_tick = 0.0
+
+    # ------------------------------------------------------------------ set-up
+    @property
+    def split(self) -> BlockSplit:
+        if self._split is None:
+            raise RuntimeError("FreezeCallback is not attached to a model yet (call trainer.fit first).")
+        return self._split
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if isinstance(trainer.strategy, (FSDPStrategy, DeepSpeedStrategy)):
+            raise ValueError(
+                f"FreezeCallback does not support {type(trainer.strategy).__name__}: sharded parameters "
+                f"cannot change requires_grad after wrapping. Use a single device, DDPStrategy or "
+                f"ElasticPipelineStrategy."
+            )
+        self._split = find_blocks(pl_module, self.blocks)
+        num_blocks = self._split.num_blocks
+        if num_blocks <= self.min_active_blocks:
+            raise ValueError(
+                f"FreezeCallback(min_active_blocks={self.min_active_blocks}) leaves nothing to freeze in a "
+                f"model with {num_blocks} blocks; lower min_active_blocks."
+            )
+        if self._norm_sums is None or self._norm_sums.numel() != num_blocks:
+            self._norm_sums = torch.zeros(num_blocks, dtype=torch.float64)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Re-applies a frozen prefix restored from a checkpoint (ckpt_path=...).
+        if self.frozen_blocks:
+            self._apply(trainer)
+
+    # ------------------------------------------------------------------ signal
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._set_prefix_eval()
+        self._epoch_samples, self._epoch_seconds = 0, 0.0
+        self._last_tick = time.perf_counter()
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        # Lightning calls module.train() at epoch start and after validation.
+        self._set_prefix_eval()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        now = time.perf_counter()
+        self._epoch_seconds += now - self._last_tick
+        self._last_tick = now
+        try:
+            self._epoch_samples += extract_batch_size(batch)
+        except Exception:  # a batch with no tensor: throughput is not known
+            pass
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Validation inside a training epoch is not training time.
+        self._last_tick = time.perf_counter()
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self.signal != "grad_norm":
+            return
+        norms = torch.zeros_like(self._norm_sums)
+        for index in range(self.frozen_blocks, self.split.num_blocks):
+            grads = [p.grad for p in self.split.block_parameters(index) if p.grad is not None]
+            if grads:
+                norms[index] = torch.linalg.vector_norm(
+                    torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads])
+                ).item()
+        if torch.isfinite(norms).all():  # skip steps that overflowed (fp16 loss scaling)
+            self._norm_sums += norms
+            self._norm_steps += 1
+
+    # ---------------------------------------------------------------- decision
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pl_module.log("pipetx/frozen_blocks", float(self.frozen_blocks), on_step=False, on_epoch=True)
+        if self._epoch_seconds > 0 and self._epoch_samples > 0:
+            samples = self._epoch_samples * _num_replicas(trainer)
+            pl_module.log("pipetx/samples_per_sec", samples / self._epoch_seconds, on_step=False, on_epoch=True)
+        if (trainer.current_epoch + 1) % self.freeze_interval == 0:
+            self._decide(trainer)
+
+    def _decide(self, trainer: pl.Trainer) -> None:
+        self.decisions += 1
+        grad_norms = None
+        if self.signal == "grad_norm":
+            sums = _all_reduce_max(self._norm_sums.clone())
+            grad_norms = (sums / max(self._norm_steps, 1)).tolist()
+        decision = decide(
+            self.frozen_blocks,
+            self.split.num_blocks,
+            self.alpha,
+            self.min_active_blocks,
+            grad_norms=grad_norms,
+            decisions=self.decisions,
+        )
+        self.last_decision = decision
+        self._norm_sums.zero_()
+        self._norm_steps = 0
+        if trainer.is_global_zero:
+            log.info(
+                "pipetx: epoch %d: frozen blocks %d -> %d of %d (%s)",
+                trainer.current_epoch,
+                decision.previous,
+                decision.frozen,
+                self.split.num_blocks,
+                decision.reason,
+            )
+        if decision.changed:
+            self.frozen_blocks = decision.frozen
+            self._apply(trainer)
+
+    # ------------------------------------------------------------------ action
+    def _apply(self, trainer: pl.Trainer) -> None:
+        for param in self.split.prefix_parameters(self.frozen_blocks):
+            param.requires_grad_(False)
+            param.grad = None
+        self._set_prefix_eval()
+        if isinstance(trainer.strategy, DDPStrategy):
+            _rewrap_ddp(trainer.strategy)
+
+    def _set_prefix_eval(self) -> None:
+        if self._split is not None:
+            for module in self._split.prefix_modules(self.frozen_blocks):
+                module.eval()
+
+    # -------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "frozen_blocks": self.frozen_blocks,
+            "decisions": self.decisions,
+            "norm_sums": None if self._norm_sums is None else self._norm_sums.tolist(),
+            "norm_steps": self._norm_steps,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.frozen_blocks = int(state_dict["frozen_blocks"])
+        self.decisions = int(state_dict["decisions"])
+        sums = state_dict.get("norm_sums")
+        self._norm_sums = None if sums is None else torch.tensor(sums, dtype=torch.float64)
+        self._norm_steps = int(state_dict.get("norm_steps", 0))
+
+
+def _num_replicas(trainer: pl.Trainer) -> int:
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return int(kwargs.get("num_replicas", 1))
+
+
+def _all_reduce_max(values: torch.Tensor) -> torch.Tensor:
+    """Every rank holds the norms of the blocks it trains (and zeros elsewhere)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+        buffer = values.to(device=device or values.device, dtype=torch.float32)
+        dist.all_reduce(buffer, op=dist.ReduceOp.MAX)
+        return buffer.to(values.device, torch.float64)
+    return values
+
+
+def _rewrap_ddp(strategy: DDPStrategy) -> None:
+    """DDP fixes its set of trainable parameters when it wraps the module: wrap again."""
+    if not isinstance(strategy.model, DistributedDataParallel):
+        return
+    strategy.model = strategy.lightning_module
+    strategy.configure_ddp()
