@@ -4,6 +4,7 @@ import logging
 
 from lightning_pipetx.blocks import BlockListNotFoundError, BlockSplit, find_blocks
 from lightning_pipetx.callbacks import FreezeCallback
+from lightning_pipetx.strategy import ElasticPipelineStrategy, Layout
 
 __version__ = "0.1.0"
 
@@ -15,4 +16,11 @@ if not logging.getLogger().hasHandlers():
     _logger.addHandler(logging.StreamHandler())
     _logger.propagate = False
 
-__all__ = ["BlockListNotFoundError", "BlockSplit", "FreezeCallback", "find_blocks"]
+__all__ = [
+    "BlockListNotFoundError",
+    "BlockSplit",
+    "ElasticPipelineStrategy",
+    "FreezeCallback",
+    "Layout",
+    "find_blocks",
+]

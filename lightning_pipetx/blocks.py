@@ -89,9 +89,7 @@ def _is_block_list(module: nn.Module) -> bool:
         return False
     children = list(module.children())
     first = type(children[0])
-    return all(type(child) is first for child in children) and any(
-        True for _ in children[0].parameters()
-    )
+    return all(type(child) is first for child in children) and any(True for _ in children[0].parameters())
 
 
 def _num_params(module: nn.Module) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -10,8 +11,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch.nn.parallel import DistributedDataParallel
 
@@ -130,10 +130,8 @@ class FreezeCallback(Callback):
         now = time.perf_counter()
         self._epoch_seconds += now - self._last_tick
         self._last_tick = now
-        try:
+        with contextlib.suppress(Exception):  # a batch with no tensor: throughput is not known
             self._epoch_samples += extract_batch_size(batch)
-        except Exception:  # a batch with no tensor: throughput is not known
-            pass
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Validation inside a training epoch is not training time.

@@ -1,0 +1,296 @@
+"""ElasticPipelineStrategy: pipeline x data parallel training of an unchanged LightningModule."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Generator
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch.distributed import ReduceOp
+
+from lightning_pipetx.blocks import BlockSplit, find_blocks
+from lightning_pipetx.strategy.engine import PipelineEngine
+from lightning_pipetx.strategy.predictions import gather_predictions
+from lightning_pipetx.strategy.stage_runner import SCHEDULES
+from lightning_pipetx.strategy.topology import Layout, divisors
+
+log = logging.getLogger("lightning_pipetx")
+
+
+def _positive_or_auto(name: str, value: Any) -> None:
+    if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"ElasticPipelineStrategy({name}={value!r}): use 'auto' or a whole number >= 1.")
+
+
+class ElasticPipelineStrategy(DDPStrategy):
+    """Train an unchanged LightningModule as ``replicas`` pipelines of ``pipeline_length`` stages.
+
+    The model's block list (see :func:`~lightning_pipetx.find_blocks`) is split into
+    contiguous stages of balanced parameter count; each rank runs one stage of one replica,
+    the user's own ``training_step`` (and ``validation_step``, ...) on every micro-batch,
+    with hooks on the block list deciding which blocks run where. The world size must be a
+    multiple of ``pipeline_length``; the rest of the ranks become data-parallel replicas.
+
+    Args:
+        pipeline_length: stages per replica. ``"auto"``: the largest divisor of the world size
+            that fits on one node and does not exceed the number of blocks.
+        num_microbatches: micro-batches per batch. ``"auto"``: 1 without a pipeline, else
+            ``2 * pipeline_length``. A batch smaller than this is split into one-sample
+            micro-batches.
+        schedule: ``"gpipe"`` (all forwards, then all backwards) or ``"1f1b"`` (bounded memory).
+        blocks: dotted path of the block list inside the LightningModule; found when None.
+        elastic: compress the pipeline and add replicas as blocks freeze.
+        keep_global_batch: keep the global batch constant across layout changes.
+        cache: cache the frozen prefix's output (``"auto"``, True or False).
+        **kwargs: DDPStrategy's arguments (``process_group_backend``, ``timeout``,
+            ``start_method``, ``cluster_environment``, ...).
+
+    The DataLoader's ``batch_size`` is the batch of one replica: the global batch is
+    ``batch_size * replicas``, as with DDP.
+    """
+
+    strategy_name = "elastic_pipeline"
+
+    def __init__(
+        self,
+        pipeline_length: int | str = "auto",
+        num_microbatches: int | str = "auto",
+        schedule: str = "gpipe",
+        blocks: str | None = None,
+        elastic: bool = True,
+        keep_global_batch: bool = True,
+        cache: bool | str = "auto",
+        **kwargs: Any,
+    ) -> None:
+        _positive_or_auto("pipeline_length", pipeline_length)
+        _positive_or_auto("num_microbatches", num_microbatches)
+        if schedule not in SCHEDULES:
+            raise ValueError(f"ElasticPipelineStrategy(schedule={schedule!r}): choose one of {SCHEDULES}.")
+        if cache not in ("auto", True, False):
+            raise ValueError(f"ElasticPipelineStrategy(cache={cache!r}): use 'auto', True or False.")
+        super().__init__(**kwargs)
+        self.pipeline_length = pipeline_length
+        self.num_microbatches = num_microbatches
+        self.schedule = schedule
+        self.blocks = blocks
+        self.elastic = elastic
+        self.keep_global_batch = keep_global_batch
+        self.cache = cache
+        self.engine: PipelineEngine | None = None
+        self._split: BlockSplit | None = None
+        self._sync_grads = True
+        self._failed = False
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "elastic_pipeline", cls, description="Elastic pipeline strategy (subprocess launcher)", start_method="popen"
+        )
+        strategy_registry.register(
+            "elastic_pipeline_spawn",
+            cls,
+            description="Elastic pipeline strategy (spawn launcher)",
+            start_method="spawn",
+        )
+
+    # -------------------------------------------------------------- layout
+    @property
+    def layout(self) -> Layout:
+        return self._require_engine().layout
+
+    def _initial_layout(self, split: BlockSplit) -> Layout:
+        world = self.world_size
+        if self.pipeline_length == "auto":
+            per_node = max(1, world // max(1, self.num_nodes))
+            length = max(k for k in divisors(world) if k <= min(per_node, split.num_blocks))
+        else:
+            length = self.pipeline_length
+        layout = Layout.for_world(world, length)
+        if layout.pipeline_length > split.num_blocks:
+            raise ValueError(
+                f"ElasticPipelineStrategy(pipeline_length={length}) is more stages than the "
+                f"{split.num_blocks} blocks of {split.path!r}: use a pipeline_length of at most {split.num_blocks}."
+            )
+        return layout
+
+    def _microbatch_count(self, layout: Layout) -> int:
+        if self.num_microbatches != "auto":
+            return self.num_microbatches
+        return 1 if layout.pipeline_length == 1 else 2 * layout.pipeline_length
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self.engine is None:  # before setup: every rank its own replica, as DDP
+            return super().distributed_sampler_kwargs
+        return {"num_replicas": self.engine.layout.replicas, "rank": self.engine.topology.replica}
+
+    # --------------------------------------------------------------- setup
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        precision_name = type(self.precision_plugin).__name__
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                f"ElasticPipelineStrategy does not support loss scaling ({precision_name}, precision='16-mixed'): "
+                f"use precision='bf16-mixed' or 32."
+            )
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._broadcast_module_state()
+        self._split = find_blocks(self.lightning_module, self.blocks)
+        layout = self._initial_layout(self._split)
+        self.engine = self._build_engine(layout)
+        self._patch_gradient_clipping()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _build_engine(self, layout: Layout) -> PipelineEngine:
+        engine = PipelineEngine(
+            self.lightning_module,
+            self._split,
+            layout,
+            self.global_rank,
+            self.root_device,
+            self._microbatch_count(layout),
+            self.schedule,
+            self._timeout,
+        )
+        start, end = engine.bounds[engine.topology.stage]
+        if self.is_global_zero:
+            costs = ", ".join(f"{c:.3g}" for c in engine.stage_costs)
+            log.info(
+                "pipetx: layout %s (pipeline_length x replicas), %d micro-batches, %s schedule; stage costs [%s]",
+                layout,
+                engine.num_microbatches,
+                self.schedule,
+                costs,
+            )
+        log.debug("rank %d: stage %d runs blocks [%d, %d)", self.global_rank, engine.topology.stage, start, end)
+        return engine
+
+    def _broadcast_module_state(self) -> None:
+        """Start every rank from global rank 0's weights, as DDP does when it wraps."""
+        if self.world_size > 1:
+            for tensor in list(self.lightning_module.parameters()) + list(self.lightning_module.buffers()):
+                dist.broadcast(tensor.data, src=0)
+
+    def _patch_gradient_clipping(self) -> None:
+        plugin = self.precision_plugin
+        original = type(plugin).clip_gradients
+
+        def clip_gradients(
+            optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = GradClipAlgorithmType.NORM
+        ) -> None:
+            if clip_val > 0 and gradient_clip_algorithm == GradClipAlgorithmType.NORM:
+                self._require_engine().grad_sync.clip_by_norm(float(clip_val))
+            else:
+                original(plugin, optimizer, clip_val, gradient_clip_algorithm)
+
+        # The norm must span every stage's gradients, not only this rank's.
+        plugin.clip_gradients = clip_gradients
+
+    def _require_engine(self) -> PipelineEngine:
+        if self.engine is None:
+            raise RuntimeError("ElasticPipelineStrategy is not set up: run it through a Trainer.")
+        return self.engine
+
+    # --------------------------------------------------------------- steps
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        trainer = self.lightning_module.trainer
+        loss_scale = 1.0 / max(1, trainer.accumulate_grad_batches)
+        with self.precision_plugin.train_step_context():
+            return self._require_engine().train_step(
+                self.lightning_module.training_step, args[0], args[1:], kwargs, loss_scale
+            )
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The pipeline already ran the backwards in ``training_step``: hand its gradients over."""
+        self._require_engine().install_grads(sync=self._sync_grads)
+        return closure_loss
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        self._sync_grads = False
+        try:
+            yield None
+        finally:
+            self._sync_grads = True
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._eval(self.lightning_module.validation_step, args, kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._eval(self.lightning_module.test_step, args, kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._eval(self.lightning_module.predict_step, args, kwargs)
+
+    def _eval(self, step: Any, args: tuple, kwargs: dict) -> Any:
+        return self._require_engine().eval_step(step, args[0], args[1:], kwargs)
+
+    def on_predict_end(self) -> None:
+        engine = self._require_engine()
+        loop = self.lightning_module.trainer.predict_loop
+        # The loop returns these lists after this hook: reorder them in place.
+        for predictions in loop._predictions:
+            predictions[:] = gather_predictions(predictions, engine.topology, self.root_device)
+
+    # ---------------------------------------------------- collectives
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """Reduce over the replicas (the stage group): every stage holds the same logged values."""
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        if group is None and self.engine is not None:
+            group = self.engine.topology.stage_group
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if not (dist.is_available() and dist.is_initialized()):
+            return decision
+        flag = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(flag, op=ReduceOp.SUM)
+        return bool(flag == self.world_size) if all else bool(flag)
+
+    # --------------------------------------------------------- checkpoint
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The plain module's ``state_dict``, with every block gathered on global rank 0."""
+        engine = self._require_engine()
+        state = self.lightning_module.state_dict()
+        prefix = self._split.path + "."
+        gathered = engine.block_state(prefix)
+        if not self.is_global_zero:
+            return {}
+        state.update(gathered)
+        return state
+
+    # ----------------------------------------------------------- teardown
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        super().on_exception(exception)
+
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.close(restore_weights=not self._failed)
+            self.engine = None
+        plugin = self.precision_plugin
+        plugin.__dict__.pop("clip_gradients", None)
+        super().teardown()
+
+
+# Register "elastic_pipeline" and "elastic_pipeline_spawn" as soon as the package is imported.
+ElasticPipelineStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,173 @@
+"""One layout's pipeline: everything a transition tears down and rebuilds.
+
+A :class:`PipelineEngine` ties together, for one :class:`Layout`, this rank's topology and
+process groups, the stage's block range, the hooks on the block list, the stage runner,
+gradient synchronisation and the released block weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+
+from lightning_pipetx.blocks import BlockSplit
+from lightning_pipetx.strategy.grad_sync import GradientSync
+from lightning_pipetx.strategy.log_replay import LogRecorder, replay
+from lightning_pipetx.strategy.microbatch import batch_size, join_outputs, split_batch
+from lightning_pipetx.strategy.p2p import Channel
+from lightning_pipetx.strategy.param_store import ParamStore, gather_block_state
+from lightning_pipetx.strategy.partition import partition, stage_costs
+from lightning_pipetx.strategy.stage_hooks import StageHooks
+from lightning_pipetx.strategy.stage_runner import StageRunner
+from lightning_pipetx.strategy.topology import Layout, Topology
+
+
+def block_costs(split: BlockSplit) -> list[float]:
+    """Parameter count per block: the partition's cost model."""
+    return [float(sum(p.numel() for p in split.block_parameters(i))) for i in range(split.num_blocks)]
+
+
+class PipelineEngine:
+    """Runs an unchanged LightningModule as ``layout.replicas`` pipelines of ``layout.pipeline_length`` stages."""
+
+    def __init__(
+        self,
+        module: pl.LightningModule,
+        split: BlockSplit,
+        layout: Layout,
+        rank: int,
+        device: torch.device,
+        num_microbatches: int,
+        schedule: str,
+        timeout: timedelta | None = None,
+    ) -> None:
+        if layout.pipeline_length > split.num_blocks:
+            raise ValueError(
+                f"pipeline_length={layout.pipeline_length} is more stages than the model's "
+                f"{split.num_blocks} blocks at {split.path!r}: use a pipeline_length of at most {split.num_blocks}."
+            )
+        self.module = module
+        self.split = split
+        self.layout = layout
+        self.device = device
+        self.num_microbatches = num_microbatches
+        self.schedule = schedule
+        self.topology = Topology(layout, rank, timeout)
+        self.costs = block_costs(split)
+        self.bounds = partition(self.costs, layout.pipeline_length)
+        self.stage_costs = stage_costs(self.costs, self.bounds)
+        start, end = self.bounds[self.topology.stage]
+        self.block_range = range(start, end)
+
+        self.hooks = StageHooks(split.blocks, start, end, self.topology.is_last_stage)
+        self.hooks.install()
+        self.runner = StageRunner(self.topology, self.hooks, Channel(device))
+        self.store = ParamStore(split.blocks)
+        self.store.release(self.block_range)
+
+        block_param_ids = {id(p) for i in range(split.num_blocks) for p in split.block_parameters(i)}
+        all_params = list(module.parameters())
+        self.grad_sync = GradientSync(
+            all_params,
+            [p for i in self.block_range for p in split.block_parameters(i)],
+            [p for p in all_params if id(p) not in block_param_ids],
+            self.topology,
+        )
+        self.recorder = LogRecorder(module)
+        self._fresh_grads: list[torch.Tensor | None] | None = None
+
+    # --------------------------------------------------------------- steps
+    def _microbatches(self, batch: Any) -> tuple[list[Any], list[int]]:
+        microbatches = split_batch(batch, self.num_microbatches)
+        return microbatches, [batch_size(mb) for mb in microbatches]
+
+    def _step_fn(self, step: Callable[..., Any], args: tuple, kwargs: dict, sizes: list[int]) -> Callable:
+        sizes_iter = iter(sizes)
+
+        def run(microbatch: Any) -> Any:
+            self.recorder.set_weight(next(sizes_iter))
+            return step(microbatch, *args, **kwargs)
+
+        return run
+
+    def train_step(self, step: Callable[..., Any], batch: Any, args: tuple, kwargs: dict, loss_scale: float) -> Any:
+        """All forwards and backwards of one batch; the gradients wait in :meth:`install_grads`."""
+        microbatches, sizes = self._microbatches(batch)
+        total = sum(sizes)
+        weights = [loss_scale * n / total for n in sizes]
+        params = self.grad_sync.all_params
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        with self.recorder.capture():
+            outputs = self.runner.train(microbatches, self._step_fn(step, args, kwargs, sizes), weights, self.schedule)
+        self._fresh_grads = [p.grad for p in params]
+        for p, grad in zip(params, earlier):
+            p.grad = grad
+
+        loss = None
+        if self.topology.is_last_stage:
+            loss = sum(
+                float((o["loss"] if isinstance(o, dict) else o).detach()) * n / total for o, n in zip(outputs, sizes)
+            )
+        loss = self._share_logs(loss)
+        result = torch.tensor(loss, device=self.device)
+        last = outputs[-1]
+        if isinstance(last, dict):
+            return {**last, "loss": result}
+        return result
+
+    def eval_step(self, step: Callable[..., Any], batch: Any, args: tuple, kwargs: dict) -> Any:
+        """Forwards of one batch; the last stage's outputs joined into one, None elsewhere."""
+        microbatches, sizes = self._microbatches(batch)
+        with self.recorder.capture():
+            outputs = self.runner.evaluate(microbatches, self._step_fn(step, args, kwargs, sizes))
+        self._share_logs(None)
+        if not self.topology.is_last_stage or all(o is None for o in outputs):
+            return None
+        return join_outputs(outputs)
+
+    def _share_logs(self, loss: float | None) -> float | None:
+        """Send the last stage's merged ``self.log`` calls (and loss) to every stage, and log them."""
+        message = [(self.recorder.merged(), loss) if self.topology.is_last_stage else None]
+        if self.layout.pipeline_length > 1:
+            dist.broadcast_object_list(
+                message, src=self.topology.last_stage_rank, group=self.topology.replica_group, device=self.device
+            )
+        calls, loss = message[0]
+        replay(self.module, calls, self.device)
+        return loss
+
+    # ------------------------------------------------------------ gradients
+    def install_grads(self, sync: bool) -> None:
+        """Add the gradients of the last :meth:`train_step` to ``.grad``, then all-reduce unless accumulating."""
+        if self._fresh_grads is None:
+            raise RuntimeError("backward called without a pipelined training_step before it")
+        for p, grad in zip(self.grad_sync.all_params, self._fresh_grads):
+            if grad is None:
+                continue
+            if p.grad is None:
+                p.grad = grad
+            else:
+                p.grad.add_(grad)
+        self._fresh_grads = None
+        if sync:
+            self.grad_sync.all_reduce(self.device)
+
+    # ---------------------------------------------------------- weights
+    def block_state(self, prefix: str) -> dict[str, torch.Tensor]:
+        return gather_block_state(
+            self.split.blocks, prefix, self.store, self.layout, self.bounds, self.topology.global_rank
+        )
+
+    def close(self, restore_weights: bool) -> None:
+        """Remove the hooks, bring every block back on every rank (unless failing), free the groups."""
+        self.hooks.remove()
+        if restore_weights:
+            self.store.restore_all(self.layout, self.bounds)
+        self.topology.destroy()

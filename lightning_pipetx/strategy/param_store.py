@@ -1,0 +1,85 @@
+"""Which block weights a rank holds, releasing the rest and bringing them back.
+
+A rank keeps the blocks of its stage (and everything outside the block list). The
+parameters of other blocks stay in the module, so the user's optimizer and the module's
+``state_dict`` keys are unchanged, but their storage is released; their shapes are kept
+so the weights can be gathered from the ranks that own them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_pipetx.strategy.topology import Layout
+
+
+class ParamStore:
+    """Releases and restores the storage of block parameters on one rank."""
+
+    def __init__(self, blocks: nn.Module) -> None:
+        self.blocks = blocks
+        self._shapes: dict[int, torch.Size] = {}
+
+    def is_released(self, param: nn.Parameter) -> bool:
+        return id(param) in self._shapes
+
+    def shape(self, param: nn.Parameter) -> torch.Size:
+        return self._shapes.get(id(param), param.shape)
+
+    def release(self, keep: range) -> None:
+        """Free the storage of every block outside ``keep``."""
+        for index, block in enumerate(self.blocks):
+            if index in keep:
+                continue
+            for param in block.parameters():
+                if id(param) not in self._shapes:
+                    self._shapes[id(param)] = param.shape
+                    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    def _materialize(self, param: nn.Parameter) -> None:
+        shape = self._shapes.pop(id(param))
+        param.data = torch.empty(shape, dtype=param.dtype, device=param.device)
+
+    def restore_all(self, layout: Layout, bounds: list[tuple[int, int]]) -> None:
+        """Bring back every block on every rank, broadcast from replica 0's owner of each stage."""
+        for stage, (start, end) in enumerate(bounds):
+            owner = layout.rank(0, stage)
+            for index in range(start, end):
+                for param in self.blocks[index].parameters():
+                    if self.is_released(param):
+                        self._materialize(param)
+                    if layout.world_size > 1:
+                        dist.broadcast(param.data, src=owner)
+
+
+def gather_block_state(
+    blocks: nn.Module,
+    prefix: str,
+    store: ParamStore,
+    layout: Layout,
+    bounds: list[tuple[int, int]],
+    rank: int,
+) -> dict[str, torch.Tensor]:
+    """The state of every block, gathered on global rank 0 (an empty dict elsewhere).
+
+    Replica 0's owner of each stage sends its blocks' tensors point-to-point to rank 0.
+    """
+    state: dict[str, torch.Tensor] = {}
+    for stage, (start, end) in enumerate(bounds):
+        owner = layout.rank(0, stage)
+        if rank not in (0, owner):
+            continue
+        for index in range(start, end):
+            for name, tensor in blocks[index].state_dict(keep_vars=True).items():
+                key = f"{prefix}{index}.{name}"
+                if owner == 0:
+                    state[key] = tensor.detach()
+                elif rank == owner:
+                    dist.send(tensor.detach().contiguous(), dst=0)
+                else:
+                    received = torch.empty(store.shape(tensor), dtype=tensor.dtype, device=tensor.device)
+                    dist.recv(received, src=owner)
+                    state[key] = received
+    return state

@@ -1,0 +1,110 @@
+"""Hooks on the block list that make the user's unchanged forward run one stage only.
+
+On a rank that runs blocks ``[start, end)``:
+
+* blocks before ``start`` are skipped: they return the hidden state received from the
+  previous stage (their weights need not be present);
+* block ``start`` gets that hidden state as its first input;
+* after block ``end - 1`` (unless this is the last stage) the hidden state is captured and
+  the rest of the forward is abandoned by raising :class:`StageExit`, which the stage
+  runner catches.
+
+Side inputs (attention masks, position ids, rotary tables) are recomputed by the model's
+own code from the same micro-batch on every stage; only the hidden state crosses stages.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_pipetx.strategy.p2p import Activation
+
+
+class StageExit(Exception):  # noqa: N818 - control flow, not an error
+    """Raised after a non-last stage's final block; carries its hidden state."""
+
+    def __init__(self, hidden: torch.Tensor, tuple_len: int) -> None:
+        super().__init__("stage boundary")
+        self.hidden = hidden
+        self.tuple_len = tuple_len
+
+
+def unpack_block_output(output: Any) -> tuple[torch.Tensor, int]:
+    """The hidden state in a block's output, and the length of the tuple it came in (0: bare)."""
+    if isinstance(output, torch.Tensor):
+        return output, 0
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return output[0], len(output)
+    raise TypeError(
+        f"a block returned {type(output).__name__}; ElasticPipelineStrategy needs blocks that return "
+        f"the hidden state as a tensor, or as the first element of a tuple."
+    )
+
+
+def pack_block_output(hidden: torch.Tensor, tuple_len: int) -> Any:
+    return hidden if tuple_len == 0 else (hidden,) + (None,) * (tuple_len - 1)
+
+
+class StageHooks:
+    """Installs per-block forward overrides for the stage ``[start, end)`` of ``blocks``."""
+
+    def __init__(self, blocks: nn.Module, start: int, end: int, is_last_stage: bool) -> None:
+        self.blocks = blocks
+        self.start, self.end = start, end
+        self.is_last_stage = is_last_stage
+        self.incoming: Activation | None = None
+        self._saved: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for index, block in enumerate(self.blocks):
+            original = block.forward
+            first_arg = next(iter(inspect.signature(original).parameters), None)
+            self._saved[index] = block.__dict__.get("forward")
+            block.forward = functools.partial(self._forward, index, original, first_arg)
+
+    def remove(self) -> None:
+        for index, block in enumerate(self.blocks):
+            saved = self._saved.pop(index, None)
+            if saved is None:
+                block.__dict__.pop("forward", None)
+            else:
+                block.forward = saved
+
+    def _forward(self, index: int, original: Callable, first_arg: str | None, *args: Any, **kwargs: Any) -> Any:
+        if index < self.start:
+            return pack_block_output(self._incoming().tensor, self._incoming().tuple_len)
+        if index >= self.end:
+            raise RuntimeError(
+                f"block {index} was called on a stage that runs blocks [{self.start}, {self.end}): "
+                f"the model's forward must call its blocks in order."
+            )
+        if index == self.start and self.start > 0:
+            args, kwargs = _replace_first_input(args, kwargs, first_arg, self._incoming().tensor)
+        output = original(*args, **kwargs)
+        if index == self.end - 1 and not self.is_last_stage:
+            raise StageExit(*unpack_block_output(output))
+        return output
+
+    def _incoming(self) -> Activation:
+        if self.incoming is None:
+            raise RuntimeError(
+                "the model was called outside a pipelined step: under ElasticPipelineStrategy each rank "
+                "holds only its stage's blocks, so call the model from training/validation/test/predict_step."
+            )
+        return self.incoming
+
+
+def _replace_first_input(
+    args: tuple, kwargs: dict[str, Any], first_arg: str | None, value: torch.Tensor
+) -> tuple[tuple, dict[str, Any]]:
+    if args:
+        return (value, *args[1:]), kwargs
+    if first_arg is None or first_arg not in kwargs:
+        raise TypeError("cannot find the hidden-state input of the stage's first block")
+    return args, {**kwargs, first_arg: value}
