@@ -1,0 +1,51 @@
+"""Launch a worker script on N CPU processes with torchrun, from a test."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO = TESTS_DIR.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_workers(script: str, nprocs: int, *args: str, timeout: float = 600, expect_failure: bool = False) -> str:
+    """Run ``tests/workers/<script>`` on ``nprocs`` gloo processes; return its output.
+
+    Fails the calling test with the workers' output when they fail (or, with
+    ``expect_failure``, when they succeed).
+    """
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(
+            [str(TESTS_DIR / "workers"), str(TESTS_DIR), str(REPO), os.environ.get("PYTHONPATH", "")]
+        ),
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.pop("PL_GLOBAL_SEED", None)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nprocs}",
+        f"--master_port={free_port()}",
+        str(TESTS_DIR / "workers" / script),
+        *args,
+    ]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    output = proc.stdout + proc.stderr
+    if expect_failure:
+        assert proc.returncode != 0, f"workers were expected to fail:\n{output[-6000:]}"
+    else:
+        assert proc.returncode == 0, f"workers failed (exit {proc.returncode}):\n{output[-8000:]}"
+    return output

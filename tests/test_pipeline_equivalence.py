@@ -1,0 +1,79 @@
+"""Pipelined and replicated training gives the weights of single-process training.
+
+For each layout (pipeline_length x replicas) the same tiny model is trained for a few
+AdamW steps on the same global batches, under ElasticPipelineStrategy on 2 or 4 gloo
+processes and in one plain process; weights and predictions must agree (fp32, 1e-5).
+"""
+
+import json
+
+import pytest
+import torch
+from distributed import run_workers
+from workers.equivalence_cases import reference_run
+
+
+def _case(name, model, pipeline_length, schedule="gpipe", clip=0.0, accumulate=1, microbatches=2, optimizer="adamw"):
+    return {
+        "optimizer": optimizer,
+        "name": name,
+        "model": model,
+        "pipeline_length": pipeline_length,
+        "schedule": schedule,
+        "clip": clip,
+        "accumulate": accumulate,
+        "microbatches": microbatches,
+        "global_batch": 8,
+        "steps": 3,
+    }
+
+
+TWO_PROCESS_CASES = [
+    _case("bert_k2_gpipe_clip", "bert", 2, "gpipe", clip=0.05),
+    _case("bert_k2_1f1b_accum", "bert", 2, "1f1b", accumulate=2, microbatches=4),
+    _case("bert_k1_d2_accum_clip", "bert", 1, "gpipe", clip=0.05, accumulate=2),
+    _case("bert_k2_sgd", "bert", 2, "gpipe", optimizer="sgd", microbatches=3),
+    _case("bert_k1_d2_sgd_accum", "bert", 1, "1f1b", optimizer="sgd", accumulate=2),
+    _case("vit_k2_1f1b_clip", "timm_vit", 2, "1f1b", clip=0.05),
+    _case("vit_k2_gpipe_accum", "timm_vit", 2, "gpipe", accumulate=2, microbatches=3),
+    _case("vit_k1_d2_1f1b", "timm_vit", 1, "1f1b"),
+]
+FOUR_PROCESS_CASES = [
+    _case("bert_k2_d2_gpipe_clip_accum", "bert", 2, "gpipe", clip=0.05, accumulate=2),
+    _case("vit_k2_d2_1f1b_clip", "timm_vit", 2, "1f1b", clip=0.05),
+    _case("bert_k4_d1_1f1b", "bert", 4, "1f1b", microbatches=4),
+    _case("vit_k2_d2_sgd_accum", "timm_vit", 2, "gpipe", optimizer="sgd", accumulate=2),
+]
+
+
+def _check(case, result_file):
+    result = torch.load(result_file, weights_only=True)
+    state, predictions = reference_run(case)
+    assert result["state"].keys() == state.keys()
+    for key, expected in state.items():
+        torch.testing.assert_close(result["state"][key], expected, atol=1e-5, rtol=1e-4, msg=f"{case['name']}: {key}")
+    torch.testing.assert_close(result["predictions"], predictions, atol=1e-5, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def two_process_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("equiv2")
+    run_workers("equivalence_worker.py", 2, str(out), *(json.dumps(c) for c in TWO_PROCESS_CASES))
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_process_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("equiv4")
+    run_workers("equivalence_worker.py", 4, str(out), *(json.dumps(c) for c in FOUR_PROCESS_CASES))
+    return out
+
+
+@pytest.mark.parametrize("case", TWO_PROCESS_CASES, ids=lambda c: c["name"])
+def test_two_processes_match_single_process(case, two_process_results):
+    _check(case, two_process_results / f"{case['name']}.pt")
+
+
+@pytest.mark.parametrize("case", FOUR_PROCESS_CASES, ids=lambda c: c["name"])
+def test_four_processes_match_single_process(case, four_process_results):
+    _check(case, four_process_results / f"{case['name']}.pt")

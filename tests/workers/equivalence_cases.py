@@ -1,0 +1,73 @@
+"""Cases shared by the equivalence workers and the single-process reference in the tests."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from tiny_models import TASKS, build_task
+from torch.utils.data import DataLoader, DistributedSampler
+
+TRAIN_SIZE = 48
+EVAL_SIZE = 12
+
+
+class _Predicting:
+    """Adds a ``predict_step`` returning logits; the rest of the module stays as written.
+
+    AdamW's ``eps`` is raised from 1e-8 to 1e-6: attention key biases have an exactly zero
+    gradient, and Adam would turn the float noise in it (about 1e-10, different for every
+    summation order) into full-size steps that no tolerance could compare. Adam does not see
+    a constant factor on the gradients, so some cases use SGD, which does.
+    """
+
+    optimizer_name = "adamw"
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr * 100, momentum=0.9)
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, eps=1e-6)
+
+    def predict_step(self, batch, batch_idx):
+        inputs = {k: v for k, v in batch.items() if k != "labels"} if isinstance(batch, dict) else batch[0]
+        out = self.model(**inputs) if isinstance(inputs, dict) else self.model(inputs)
+        return out.logits if hasattr(out, "logits") else out
+
+
+def build_case_module(case: dict) -> pl.LightningModule:
+    base = type(build_task(case["model"], seed=0, dropout=0.0))
+    cls = type(f"Predicting{base.__name__}", (_Predicting, base), {})
+    module = cls(seed=case.get("seed", 0), lr=case.get("lr", 1e-3), dropout=0.0)
+    module.optimizer_name = case.get("optimizer", "adamw")
+    return module
+
+
+def case_loader(case: dict, batch_size: int) -> DataLoader:
+    """Training data; the strategy injects a DistributedSampler (shuffled, seed 0)."""
+    return DataLoader(TASKS[case["model"]].dataset(size=TRAIN_SIZE, seed=1), batch_size=batch_size, shuffle=True)
+
+
+def eval_loader(case: dict, batch_size: int) -> DataLoader:
+    return DataLoader(TASKS[case["model"]].dataset(size=EVAL_SIZE, seed=2), batch_size=batch_size)
+
+
+def reference_run(case: dict) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The same training in one process on the same global batches: weights and predictions."""
+    module = build_case_module(case)
+    dataset = TASKS[case["model"]].dataset(size=TRAIN_SIZE, seed=1)
+    # Lightning's distributed sampler order over one replica: the same global batches.
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=case["steps"],
+        gradient_clip_val=case["clip"],
+        accumulate_grad_batches=case["accumulate"],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, DataLoader(dataset, batch_size=case["global_batch"], sampler=sampler))
+    predictions = trainer.predict(module, eval_loader(case, case["global_batch"]))
+    return module.state_dict(), torch.cat(predictions)

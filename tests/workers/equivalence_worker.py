@@ -1,0 +1,51 @@
+"""Train tiny models under ElasticPipelineStrategy for each case; rank 0 saves weights and predictions.
+
+Usage: torchrun --nproc_per_node=N equivalence_worker.py OUT_DIR CASE_JSON [CASE_JSON ...]
+"""
+
+import json
+import os
+import sys
+
+import lightning.pytorch as pl
+import torch
+from equivalence_cases import build_case_module, case_loader, eval_loader
+
+from lightning_pipetx import ElasticPipelineStrategy
+
+
+def main() -> None:
+    out_dir, cases = sys.argv[1], [json.loads(arg) for arg in sys.argv[2:]]
+    world = int(os.environ["WORLD_SIZE"])
+    for case in cases:
+        replicas = world // case["pipeline_length"]
+        module = build_case_module(case)
+        strategy = ElasticPipelineStrategy(
+            pipeline_length=case["pipeline_length"],
+            num_microbatches=case["microbatches"],
+            schedule=case["schedule"],
+        )
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=world,
+            strategy=strategy,
+            max_steps=case["steps"],
+            gradient_clip_val=case["clip"],
+            accumulate_grad_batches=case["accumulate"],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+        )
+        trainer.fit(module, case_loader(case, case["global_batch"] // replicas))
+        predictions = trainer.predict(module, eval_loader(case, case["global_batch"] // replicas))
+        if trainer.is_global_zero:
+            torch.save(
+                {"state": module.state_dict(), "predictions": torch.cat(predictions)},
+                os.path.join(out_dir, f"{case['name']}.pt"),
+            )
+
+
+if __name__ == "__main__":
+    main()
