@@ -285,7 +285,7 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         if self.engine is not None:
-            self.engine.close(restore_weights=not self._failed)
+            self.engine.close(failed=self._failed)
             self.engine = None
         plugin = self.precision_plugin
         plugin.__dict__.pop("clip_gradients", None)

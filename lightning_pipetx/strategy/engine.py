@@ -165,9 +165,9 @@ class PipelineEngine:
             self.split.blocks, prefix, self.store, self.layout, self.bounds, self.topology.global_rank
         )
 
-    def close(self, restore_weights: bool) -> None:
-        """Remove the hooks, bring every block back on every rank (unless failing), free the groups."""
+    def close(self, failed: bool) -> None:
+        """Remove the hooks; unless a rank failed, bring every block back on every rank and free the groups."""
         self.hooks.remove()
-        if restore_weights:
+        if not failed:  # collectives with a dead peer would wait for the timeout again
             self.store.restore_all(self.layout, self.bounds)
-        self.topology.destroy()
+            self.topology.destroy()

@@ -36,6 +36,10 @@ class LogCall:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
+def _as_float(value: Any) -> float:
+    return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+
+
 def _reduce_name(reduce_fx: Any) -> str:
     if isinstance(reduce_fx, str):
         return _REDUCERS.get(reduce_fx.lower(), "mean")
@@ -82,7 +86,7 @@ class LogRecorder:
                 forward_value = float(cache) if isinstance(cache, torch.Tensor) and cache.numel() == 1 else None
                 result.append(LogCall(name, forward_value, metric_names[id(value)], kwargs))
                 continue
-            values = torch.tensor([float(v) for v, _, _ in calls], dtype=torch.float64)
+            values = torch.tensor([_as_float(v) for v, _, _ in calls], dtype=torch.float64)
             weights = torch.tensor([w for _, _, w in calls], dtype=torch.float64)
             how = _reduce_name(kwargs.get("reduce_fx", "mean"))
             if how == "sum":

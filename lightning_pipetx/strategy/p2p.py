@@ -40,6 +40,21 @@ class Activation:
     tuple_len: int
 
 
+class PeerError(RuntimeError):
+    """A neighbouring stage stopped answering: it died, or did not answer within the timeout."""
+
+
+def _recv(tensor: torch.Tensor, src: int, tag: int, what: str) -> None:
+    try:
+        dist.recv(tensor, src=src, tag=tag)
+    except RuntimeError as error:  # gloo/NCCL report a lost peer or a timeout as RuntimeError
+        raise PeerError(
+            f"rank {dist.get_rank()} lost global rank {src} while waiting for its {what}: {error}. "
+            f"That rank died or stopped answering within the process-group timeout "
+            f"(ElasticPipelineStrategy(timeout=...)); see its own log for the cause."
+        ) from error
+
+
 class Channel:
     """Sends and receives between this rank and its neighbours in a pipeline."""
 
@@ -61,11 +76,11 @@ class Channel:
 
     def recv_activation(self, src: int) -> Activation:
         header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-        dist.recv(header, src=src, tag=_TAG_ACTIVATION)
+        _recv(header, src, _TAG_ACTIVATION, "hidden state")
         header = header.tolist()
         dtype, needs_grad, tuple_len, ndim = _DTYPES[header[0]], bool(header[1]), header[2], header[3]
         tensor = torch.empty(header[4 : 4 + ndim], dtype=dtype, device=self.device)
-        dist.recv(tensor, src=src, tag=_TAG_ACTIVATION)
+        _recv(tensor, src, _TAG_ACTIVATION, "hidden state")
         return Activation(tensor, needs_grad, tuple_len)
 
     def send_gradient(self, grad: torch.Tensor, dst: int) -> None:
@@ -73,7 +88,7 @@ class Channel:
 
     def recv_gradient(self, like: torch.Tensor, src: int) -> torch.Tensor:
         grad = torch.empty_like(like, device=self.device)
-        dist.recv(grad, src=src, tag=_TAG_GRADIENT)
+        _recv(grad, src, _TAG_GRADIENT, "gradient")
         return grad
 
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:

@@ -12,12 +12,18 @@ from lightning_pipetx.strategy.topology import Topology
 
 
 def gather_predictions(local: list[Any], topology: Topology, device: torch.device) -> list[Any]:
-    """Replace rank 0's per-batch predictions by those of all replicas, in dataset order.
+    """Every stage gets its replica's predictions; global rank 0 gets all, in dataset order.
 
-    Lightning's prediction sampler gives replica ``r`` the samples ``r, r + D, r + 2D, ...``
-    without padding; the result is re-batched with the first batch's size, as a single
-    process would have produced it. Other ranks keep their own predictions.
+    Only the last stage computes predictions; it shares them with the other stages of its
+    replica, so every rank holds its data-parallel shard, as under DDP. Lightning's
+    prediction sampler gives replica ``r`` the samples ``r, r + D, r + 2D, ...`` without
+    padding; on rank 0 the shards are interleaved back and re-batched with the first
+    batch's size, as a single process would have produced them.
     """
+    if topology.pipeline_length > 1:
+        message = [local if topology.is_last_stage else None]
+        dist.broadcast_object_list(message, src=topology.last_stage_rank, group=topology.replica_group, device=device)
+        local = message[0]
     replicas = topology.replicas
     if replicas == 1 or not topology.is_last_stage or not local:
         return local

@@ -1,0 +1,200 @@
+"""Static-layout throughput and memory: ElasticPipelineStrategy against Lightning's DDP.
+
+One run measures, on the same model, data and global batch, with ``--nprocs`` processes:
+
+* ``ddp``: Lightning's own DDP strategy (the baseline);
+* ``pipe_k1``: ElasticPipelineStrategy(pipeline_length=1), pure data parallel: target >= 0.95x ddp;
+* ``pipe_kN``: ElasticPipelineStrategy(pipeline_length=N) with M micro-batches, compared with
+  the bubble model ``pipe_k1 * M / (M + N - 1)``;
+* ``single``: one process, for the memory comparison.
+
+It prints samples/s, ratios and memory per rank, and writes them to ``--out`` (JSON).
+Usage: python benchmarks/pipeline_static.py [--nprocs 2] [--steps 12] [--out results/pipeline_static.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def build_module(args: argparse.Namespace):
+    import lightning.pytorch as pl
+    import timm
+    import torch
+
+    class Classifier(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = timm.create_model(
+                "vit_tiny_patch16_224",
+                pretrained=False,
+                img_size=args.img_size,
+                patch_size=8,
+                embed_dim=args.width,
+                depth=args.depth,
+                num_heads=max(1, args.width // 64),
+                num_classes=10,
+            )
+
+        def training_step(self, batch, batch_idx):
+            images, labels = batch
+            return torch.nn.functional.cross_entropy(self.model(images), labels)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    return Classifier()
+
+
+def worker(args: argparse.Namespace) -> None:
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import Callback
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_pipetx import ElasticPipelineStrategy
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    config = args.worker
+    if config == "ddp":
+        strategy, replicas = "ddp", world
+    elif config == "single":
+        strategy, replicas = "auto", 1
+    else:
+        length = int(config.removeprefix("pipe_k"))
+        strategy = ElasticPipelineStrategy(pipeline_length=length, num_microbatches=args.microbatches)
+        replicas = world // length
+
+    class Timer(Callback):
+        def __init__(self) -> None:
+            self.start = self.end = 0.0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == args.warmup:
+                self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.end = time.perf_counter()
+
+    g = torch.Generator().manual_seed(0)
+    total = args.batch * (args.steps + args.warmup)
+    data = TensorDataset(
+        torch.randn(total, 3, args.img_size, args.img_size, generator=g), torch.randint(0, 10, (total,))
+    )
+    timer = Timer()
+    module = build_module(args)
+    trainer = pl.Trainer(
+        accelerator=args.accelerator,
+        devices=world if config != "single" else 1,
+        strategy=strategy,
+        max_steps=args.steps + args.warmup,
+        callbacks=[timer],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    held = {"params": 0}
+
+    class Memory(Callback):
+        def on_train_end(self, trainer, pl_module):
+            held["params"] = sum(p.numel() * p.element_size() for p in pl_module.parameters())
+
+    trainer.callbacks.append(Memory())
+    trainer.fit(module, DataLoader(data, batch_size=args.batch // replicas))
+    result = {
+        "rank": trainer.global_rank,
+        "samples_per_sec": args.batch * args.steps / (timer.end - timer.start),
+        "param_mb_held": held["params"] / 2**20,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    if args.accelerator == "gpu":
+        result["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    Path(args.result_dir, f"{config}_rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(config: str, nprocs: int, argv: list[str], result_dir: str) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    launcher = [sys.executable]
+    if config != "single":
+        launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={nprocs}", f"--master_port={_free_port()}"]
+    command = [*launcher, __file__, *argv, "--worker", config, "--result-dir", result_dir]
+    subprocess.run(command, env=env, check=True, capture_output=True, text=True)
+    return [json.loads(p.read_text()) for p in sorted(Path(result_dir).glob(f"{config}_rank*.json"))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nprocs", type=int, default=2)
+    parser.add_argument("--pipeline-length", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=32, help="global batch")
+    parser.add_argument("--steps", type=int, default=12, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--width", type=int, default=192)
+    parser.add_argument("--img-size", type=int, default=64)
+    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
+    parser.add_argument("--out", default="results/pipeline_static.json")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+
+    argv = [a for a in sys.argv[1:]]
+    pipe = f"pipe_k{args.pipeline_length}"
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for config in ("ddp", "pipe_k1", pipe, "single"):
+            print(f"running {config} ...", flush=True)
+            runs[config] = launch(config, args.nprocs, argv, tmp)
+
+    def throughput(config: str) -> float:
+        return min(r["samples_per_sec"] for r in runs[config])  # the slowest rank sets the pace
+
+    m, k = args.microbatches, args.pipeline_length
+    bubble = throughput("pipe_k1") * m / (m + k - 1)
+    summary = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "result_dir")},
+        "samples_per_sec": {c: throughput(c) for c in runs},
+        "pipe_k1_over_ddp": throughput("pipe_k1") / throughput("ddp"),
+        f"{pipe}_over_bubble_model": throughput(pipe) / bubble,
+        f"{pipe}_over_ddp": throughput(pipe) / throughput("ddp"),
+        "memory_per_rank": {c: runs[c] for c in runs},
+    }
+    print(f"\n{'config':<10} {'samples/s':>10} {'param MB/rank':>14} {'peak RSS MB/rank':>17}")
+    for config, ranks in runs.items():
+        params = max(r["param_mb_held"] for r in ranks)
+        rss = max(r["peak_rss_mb"] for r in ranks)
+        print(f"{config:<10} {throughput(config):>10.1f} {params:>14.2f} {rss:>17.0f}")
+    print(f"\npipe_k1 / ddp: {summary['pipe_k1_over_ddp']:.3f} (target >= 0.95)")
+    print(f"{pipe} / bubble model pipe_k1*M/(M+K-1) = {bubble:.1f}: {summary[f'{pipe}_over_bubble_model']:.3f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(summary, indent=2))
+    print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Lightning features under ElasticPipelineStrategy: an unchanged LightningModule with
+torchmetrics, sync_dist, ModelCheckpoint, EarlyStopping, an LR scheduler, validate, test and
+predict; the registered strategy names; bf16-mixed; fast_dev_run; a dead peer."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from distributed import REPO, TESTS_DIR, run_workers
+from workers.features_worker import Classifier
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("features")
+    run_workers("features_worker.py", 4, str(out), "torchrun")
+    return out, [json.loads((out / f"torchrun_rank{r}.json").read_text()) for r in range(4)]
+
+
+def test_every_rank_sees_the_same_metrics(four_ranks):
+    _, reports = four_ranks
+    for key in ("val_acc", "val_loss"):
+        assert len({r["fit"][key] for r in reports}) == 1, key
+    for phase in ("validate", "test"):
+        assert all(r[phase] == reports[0][phase] for r in reports)
+    assert set(reports[0]["test"]) == {"test_acc", "test_loss"}
+    # Ranks 0, 1 are replica 0 and ranks 2, 3 replica 1: a replica's stages agree on its own loss.
+    assert reports[0]["fit"]["train_loss"] == reports[1]["fit"]["train_loss"]
+    assert reports[2]["fit"]["train_loss"] == reports[3]["fit"]["train_loss"]
+
+
+def test_callbacks_decide_alike_on_every_rank(four_ranks):
+    out, reports = four_ranks
+    assert {r["stopped"] for r in reports} == {1}  # EarlyStopping(min_delta=10) after epoch 1
+    assert {r["epochs"] for r in reports} == {2}
+    assert {r["best_model_path"] for r in reports} == {reports[0]["best_model_path"]}
+    assert {r["lr"] for r in reports} == {1.5e-3}  # StepLR halved it after 2 epochs
+    assert (out / "lightning_logs").exists()
+
+
+def test_checkpoint_is_consolidated(four_ranks):
+    _, reports = four_ranks
+    model = Classifier.load_from_checkpoint(reports[0]["best_model_path"], map_location="cpu")
+    reference = Classifier()
+    for name, tensor in model.state_dict().items():
+        assert tensor.shape == reference.state_dict()[name].shape, name
+
+
+def test_predict_returns_all_samples_in_order_on_rank_zero(four_ranks):
+    _, reports = four_ranks
+    assert len(reports[0]["predictions"]) == 14
+    assert reports[0]["predictions"] == reports[0]["direct"]
+    # Other ranks hold their replica's shard, as under DDP.
+    assert [len(r["predictions"]) for r in reports[1:]] == [7, 7, 7]
+    assert reports[1]["predictions"] == reports[0]["predictions"][0::2]
+
+
+@pytest.mark.parametrize("mode", ["spawn", "popen"])
+def test_registered_names_launch(mode, tmp_path):
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": f"{TESTS_DIR / 'workers'}:{TESTS_DIR}:{REPO}"}
+    proc = subprocess.run(
+        [sys.executable, str(TESTS_DIR / "workers" / "features_worker.py"), str(tmp_path), mode],
+        env={**__import__("os").environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    report = json.loads((tmp_path / f"{mode}_rank0.json").read_text())
+    assert "train_loss" in report["fit"]
+    if mode == "popen":
+        assert report["strategy"] == "ElasticPipelineStrategy"
+
+
+def test_dead_peer_ends_the_run_with_a_clear_error(tmp_path):
+    start = time.monotonic()
+    output = run_workers("features_worker.py", 2, str(tmp_path), "deadpeer", expect_failure=True, timeout=240)
+    assert time.monotonic() - start < 200
+    assert "lost global rank 1" in output, output[-4000:]
+
+
+def test_weights_are_whole_after_the_run(four_ranks):
+    _, reports = four_ranks
+    assert all(isinstance(p, int) for p in reports[0]["direct"])
+    assert torch.tensor(reports[3]["predictions"]).numel() == 7

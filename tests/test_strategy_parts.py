@@ -1,0 +1,185 @@
+"""Unit tests of the strategy's parts: layout, partition, micro-batches, schedules, arguments."""
+
+import itertools
+import random
+from collections import namedtuple
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
+from tiny_models import build_model, build_task, task_loader
+from transformers import BatchEncoding
+
+from lightning_pipetx import ElasticPipelineStrategy, Layout, find_blocks
+from lightning_pipetx.strategy.microbatch import BatchSplitError, chunk, join_outputs, split_batch, take
+from lightning_pipetx.strategy.partition import partition, stage_costs
+from lightning_pipetx.strategy.stage_runner import schedule_actions
+
+
+# ----------------------------------------------------------------------------- layout
+def test_layout_maps_ranks_and_puts_a_last_stage_on_rank_zero():
+    layout = Layout(pipeline_length=4, replicas=2)
+    coords = [layout.coords(r) for r in range(8)]
+    assert coords[0] == (0, 3)  # rank 0: last stage of replica 0
+    assert sorted(coords) == [(r, s) for r in range(2) for s in range(4)]
+    assert all(layout.rank(*layout.coords(r)) == r for r in range(8))
+    assert layout.stage_ranks(3) == [0, 4]
+    assert layout.replica_ranks(1) == [7, 6, 5, 4]
+
+
+def test_layout_rejects_a_pipeline_length_that_does_not_divide_the_world():
+    with pytest.raises(ValueError, match=r"does not divide the world size 6.*\[1, 2, 3, 6\]"):
+        Layout.for_world(6, 4)
+    assert Layout.for_world(6, 3) == Layout(3, 2)
+
+
+# -------------------------------------------------------------------------- partition
+def _brute_force(costs, k):
+    n = len(costs)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = list(zip((0, *cuts), (*cuts, n)))
+        best = min(best, max(stage_costs(costs, bounds)))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_partition_is_optimal_against_brute_force(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 9)
+    k = rng.randint(1, n)
+    costs = [rng.choice([0.0, rng.random() * 10, float(rng.randint(1, 5))]) for _ in range(n)]
+    bounds = partition(costs, k)
+    assert len(bounds) == k and bounds[0][0] == 0 and bounds[-1][1] == n
+    assert all(start < end for start, end in bounds), "no empty stage"
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert max(stage_costs(costs, bounds)) == pytest.approx(_brute_force(costs, k))
+
+
+def test_partition_never_leaves_a_stage_empty_on_uneven_costs():
+    bounds = partition([100.0, 1.0, 1.0, 1.0], 4)
+    assert bounds == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert partition([1.0, 1.0, 1.0, 100.0], 2) == [(0, 3), (3, 4)]
+
+
+def test_partition_rejects_more_stages_than_blocks():
+    with pytest.raises(ValueError, match="at most 3"):
+        partition([1.0, 1.0, 1.0], 4)
+
+
+# ----------------------------------------------------------------------- micro-batches
+def test_split_batch_handles_every_structure_and_joins_back():
+    pair = namedtuple("pair", "x y")
+    x = torch.arange(10).view(5, 2)
+    batch = {
+        "tensor": x,
+        "tuple": (x, x + 1),
+        "list": [x],
+        "named": pair(x, x),
+        "encoding": BatchEncoding({"input_ids": x}),
+        "ids": ["a", "b", "c", "d", "e"],
+        "scalar": 7,
+        "zero_dim": torch.tensor(3.0),
+    }
+    parts = split_batch(batch, 2)
+    assert [p["tensor"].shape[0] for p in parts] == [3, 2]
+    assert parts[1]["ids"] == ["d", "e"] and parts[1]["scalar"] == 7
+    assert isinstance(parts[0]["named"], pair) and isinstance(parts[0]["encoding"], BatchEncoding)
+    joined = join_outputs(parts)
+    assert torch.equal(joined["tuple"][1], x + 1) and joined["ids"] == batch["ids"]
+    assert torch.equal(split_batch(x, 5)[4], x[4:])
+
+
+def test_a_batch_smaller_than_the_microbatch_count_uses_one_sample_each():
+    assert [p.shape[0] for p in split_batch(torch.zeros(3, 4), 8)] == [1, 1, 1]
+
+
+def test_batches_that_cannot_be_split_raise_a_clear_error():
+    with pytest.raises(BatchSplitError, match="no tensor"):
+        split_batch(["just", "strings"], 2)
+    with pytest.raises(BatchSplitError, match=r"different first dimensions \[3, 4\]"):
+        split_batch((torch.zeros(3), torch.zeros(4)), 2)
+
+
+def test_take_and_chunk_reorder_samples():
+    data = {"x": torch.arange(6), "names": list("abcdef")}
+    picked = take(data, [5, 0, 3])
+    assert picked["x"].tolist() == [5, 0, 3] and picked["names"] == ["f", "a", "d"]
+    assert [c["x"].tolist() for c in chunk(data, 4)] == [[0, 1, 2, 3], [4, 5]]
+
+
+# ---------------------------------------------------------------------------- schedules
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("stages", "microbatches"), [(1, 1), (2, 2), (4, 3), (4, 8)])
+def test_schedules_run_each_microbatch_forward_then_backward(schedule, stages, microbatches):
+    for stage in range(stages):
+        actions = schedule_actions(schedule, stages, stage, microbatches)
+        assert sorted(actions) == sorted(
+            [("F", i) for i in range(microbatches)] + [("B", i) for i in range(microbatches)]
+        )
+        assert all(actions.index(("F", i)) < actions.index(("B", i)) for i in range(microbatches))
+        in_flight = peak = 0
+        for kind, _ in actions:
+            in_flight += 1 if kind == "F" else -1
+            peak = max(peak, in_flight)
+        if schedule == "1f1b":
+            assert peak <= min(stages - stage, microbatches)
+        else:
+            assert peak == microbatches
+
+
+# ---------------------------------------------------------------------------- arguments
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"pipeline_length": 0}, "pipeline_length=0"),
+        ({"num_microbatches": "many"}, "num_microbatches='many'"),
+        ({"schedule": "zigzag"}, "schedule='zigzag'"),
+        ({"cache": "sometimes"}, "cache='sometimes'"),
+    ],
+)
+def test_invalid_arguments_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ElasticPipelineStrategy(**kwargs)
+
+
+def test_more_stages_than_blocks_is_refused():
+    environment = LightningEnvironment()
+    environment.set_world_size(8)
+    strategy = ElasticPipelineStrategy(pipeline_length=8, cluster_environment=environment)
+    split = find_blocks(build_model("sequential"))
+    with pytest.raises(ValueError, match="at most 4"):
+        strategy._initial_layout(split)
+
+
+def test_a_world_the_pipeline_length_does_not_divide_is_refused():
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ElasticPipelineStrategy(pipeline_length=2),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    with pytest.raises(ValueError, match="pipeline_length=2 does not divide the world size 1"):
+        trainer.fit(build_task("sequential"), task_loader("sequential"))
+
+
+def test_one_device_is_a_valid_layout():
+    model = build_task("sequential", dropout=0.0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ElasticPipelineStrategy(),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, task_loader("sequential"))
+    assert trainer.strategy.engine is None  # torn down, every weight back in place
+    assert trainer.global_step == 2
+    assert all(p.numel() > 0 for p in model.parameters())
