@@ -75,10 +75,15 @@ class BlockSplit:
         return [module for _, module in self.pre] + [self.blocks[i] for i in range(num_frozen)]
 
     def prefix_parameters(self, num_frozen: int) -> list[nn.Parameter]:
-        """Parameters of ``pre`` and blocks ``[0, num_frozen)``."""
+        """Parameters of ``pre`` and blocks ``[0, num_frozen)``.
+
+        A ``pre`` parameter that ``post`` uses too (GPT-2's embedding, tied to its LM head)
+        is left out: it is still trained through the head.
+        """
         if num_frozen <= 0:
             return []
-        params = list(self.pre_parameters())
+        used_later = {id(p) for _, module in self.post for p in module.parameters()}
+        params = [p for p in self.pre_parameters() if id(p) not in used_later]
         for i in range(num_frozen):
             params.extend(self.block_parameters(i))
         return params

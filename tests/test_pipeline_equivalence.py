@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from distributed import run_workers
-from workers.equivalence_cases import reference_run
+from equivalence_cases import reference_run
 
 
 def _case(name, model, pipeline_length, schedule="gpipe", clip=0.0, accumulate=1, microbatches=2, optimizer="adamw"):

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from distributed import REPO, TESTS_DIR, run_workers
-from workers.features_worker import Classifier
+from features_worker import Classifier
 
 
 @pytest.fixture(scope="module")

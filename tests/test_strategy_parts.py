@@ -150,7 +150,7 @@ def test_more_stages_than_blocks_is_refused():
     strategy = ElasticPipelineStrategy(pipeline_length=8, cluster_environment=environment)
     split = find_blocks(build_model("sequential"))
     with pytest.raises(ValueError, match="at most 4"):
-        strategy._initial_layout(split)
+        strategy._initial_length(split)
 
 
 def test_a_world_the_pipeline_length_does_not_divide_is_refused():

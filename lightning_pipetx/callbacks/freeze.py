@@ -58,9 +58,9 @@ class FreezeCallback(Callback):
     ) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"FreezeCallback(alpha={alpha}): alpha must be in (0, 1], e.g. 1/3.")
-        if not isinstance(freeze_interval, int) or freeze_interval < 1:
+        if not isinstance(freeze_interval, int) or isinstance(freeze_interval, bool) or freeze_interval < 1:
             raise ValueError(f"FreezeCallback(freeze_interval={freeze_interval!r}): use a whole number >= 1.")
-        if not isinstance(min_active_blocks, int) or min_active_blocks < 1:
+        if not isinstance(min_active_blocks, int) or isinstance(min_active_blocks, bool) or min_active_blocks < 1:
             raise ValueError(
                 f"FreezeCallback(min_active_blocks={min_active_blocks!r}): use a whole number >= 1; "
                 f"at least one block must stay trainable."
@@ -143,31 +143,39 @@ class FreezeCallback(Callback):
         if self.signal != "grad_norm":
             return
         norms = torch.zeros_like(self._norm_sums)
+        measured = False
         for index in range(self.frozen_blocks, self.split.num_blocks):
             grads = [p.grad for p in self.split.block_parameters(index) if p.grad is not None]
             if grads:
+                measured = True
                 norms[index] = torch.linalg.vector_norm(
                     torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads])
                 ).item()
-        if torch.isfinite(norms).all():  # skip steps that overflowed (fp16 loss scaling)
+        if measured and torch.isfinite(norms).all():  # skip steps that overflowed (fp16 loss scaling)
             self._norm_sums += norms
             self._norm_steps += 1
 
     # ---------------------------------------------------------------- decision
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        pl_module.log("pipetx/frozen_blocks", float(self.frozen_blocks), on_step=False, on_epoch=True)
+        # The values agree on every rank; sync_dist only keeps Lightning from warning.
+        pl_module.log("pipetx/frozen_blocks", float(self.frozen_blocks), on_step=False, on_epoch=True, sync_dist=True)
         if self._epoch_seconds > 0 and self._epoch_samples > 0:
             samples = self._epoch_samples * _num_replicas(trainer)
-            pl_module.log("pipetx/samples_per_sec", samples / self._epoch_seconds, on_step=False, on_epoch=True)
+            throughput = samples / self._epoch_seconds
+            pl_module.log("pipetx/samples_per_sec", throughput, on_step=False, on_epoch=True, sync_dist=True)
         if (trainer.current_epoch + 1) % self.freeze_interval == 0:
             self._decide(trainer)
 
     def _decide(self, trainer: pl.Trainer) -> None:
-        self.decisions += 1
         grad_norms = None
         if self.signal == "grad_norm":
-            sums = _all_reduce_max(self._norm_sums.clone())
-            grad_norms = (sums / max(self._norm_steps, 1)).tolist()
+            # A rank counts only steps where its blocks had gradients: agree on the count first.
+            totals = _all_reduce_max(torch.cat([self._norm_sums, torch.tensor([float(self._norm_steps)])]))
+            steps = int(totals[-1])
+            if steps == 0:
+                return  # no gradient was measured since the last decision: no evidence to act on
+            grad_norms = (totals[:-1] / steps).tolist()
+        self.decisions += 1
         decision = decide(
             self.frozen_blocks,
             self.split.num_blocks,
@@ -198,7 +206,10 @@ class FreezeCallback(Callback):
             param.requires_grad_(False)
             param.grad = None
         self._set_prefix_eval()
-        if isinstance(trainer.strategy, DDPStrategy):
+        on_freeze = getattr(trainer.strategy, "on_freeze", None)
+        if callable(on_freeze):  # ElasticPipelineStrategy re-plans its layout
+            on_freeze(trainer, self.frozen_blocks)
+        elif isinstance(trainer.strategy, DDPStrategy):
             _rewrap_ddp(trainer.strategy)
 
     def _set_prefix_eval(self) -> None:

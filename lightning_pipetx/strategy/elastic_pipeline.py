@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Generator
 from typing import Any
 
@@ -16,12 +17,17 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.distributed import ReduceOp
+from torch.utils.data import DataLoader
 
 from lightning_pipetx.blocks import BlockSplit, find_blocks
+from lightning_pipetx.strategy.autopipe import Plan, block_costs, choose_plan, make_plan
+from lightning_pipetx.strategy.dataloading import global_batch_fits, rebatch
 from lightning_pipetx.strategy.engine import PipelineEngine
+from lightning_pipetx.strategy.param_store import ParamStore
 from lightning_pipetx.strategy.predictions import gather_predictions
 from lightning_pipetx.strategy.stage_runner import SCHEDULES
 from lightning_pipetx.strategy.topology import Layout, divisors
+from lightning_pipetx.strategy.transition import move_blocks
 
 log = logging.getLogger("lightning_pipetx")
 
@@ -89,6 +95,11 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._split: BlockSplit | None = None
         self._sync_grads = True
         self._failed = False
+        self._costs: list[float] = []
+        self._length0 = 1
+        self._frozen = 0
+        self._store: ParamStore | None = None
+        self._batch0: tuple[int, int] | None = None  # the user's batch size, and the replicas it was for
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -107,25 +118,27 @@ class ElasticPipelineStrategy(DDPStrategy):
     def layout(self) -> Layout:
         return self._require_engine().layout
 
-    def _initial_layout(self, split: BlockSplit) -> Layout:
+    def _initial_length(self, split: BlockSplit) -> int:
         world = self.world_size
         if self.pipeline_length == "auto":
             per_node = max(1, world // max(1, self.num_nodes))
-            length = max(k for k in divisors(world) if k <= min(per_node, split.num_blocks))
-        else:
-            length = self.pipeline_length
-        layout = Layout.for_world(world, length)
-        if layout.pipeline_length > split.num_blocks:
+            return max(k for k in divisors(world) if k <= min(per_node, split.num_blocks))
+        Layout.for_world(world, self.pipeline_length)  # refuses a length that does not divide the world
+        if self.pipeline_length > split.num_blocks:
             raise ValueError(
-                f"ElasticPipelineStrategy(pipeline_length={length}) is more stages than the "
+                f"ElasticPipelineStrategy(pipeline_length={self.pipeline_length}) is more stages than the "
                 f"{split.num_blocks} blocks of {split.path!r}: use a pipeline_length of at most {split.num_blocks}."
             )
-        return layout
+        return self.pipeline_length
 
-    def _microbatch_count(self, layout: Layout) -> int:
-        if self.num_microbatches != "auto":
-            return self.num_microbatches
-        return 1 if layout.pipeline_length == 1 else 2 * layout.pipeline_length
+    def _plan(self, frozen: int) -> Plan:
+        microbatches = None if self.num_microbatches == "auto" else self.num_microbatches
+        if not self.elastic:
+            return make_plan(self._costs, frozen, self.world_size, self._length0, microbatches)
+        accept = None
+        if self.keep_global_batch:
+            accept = lambda layout: global_batch_fits(self._batch0, layout.replicas)  # noqa: E731
+        return choose_plan(self._costs, frozen, self.world_size, self._length0, microbatches, accept)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -147,8 +160,11 @@ class ElasticPipelineStrategy(DDPStrategy):
         self.model_to_device()
         self._broadcast_module_state()
         self._split = find_blocks(self.lightning_module, self.blocks)
-        layout = self._initial_layout(self._split)
-        self.engine = self._build_engine(layout)
+        self._costs = block_costs(self._split)
+        self._length0 = self._initial_length(self._split)
+        self._store = ParamStore(self._split.blocks)
+        self._frozen = 0
+        self.engine = self._build_engine(self._plan(0))
         self._patch_gradient_clipping()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -156,29 +172,70 @@ class ElasticPipelineStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _build_engine(self, layout: Layout) -> PipelineEngine:
+    def _build_engine(self, plan: Plan) -> PipelineEngine:
         engine = PipelineEngine(
             self.lightning_module,
             self._split,
-            layout,
+            plan,
+            self._store,
             self.global_rank,
             self.root_device,
-            self._microbatch_count(layout),
             self.schedule,
             self._timeout,
         )
-        start, end = engine.bounds[engine.topology.stage]
         if self.is_global_zero:
-            costs = ", ".join(f"{c:.3g}" for c in engine.stage_costs)
-            log.info(
-                "pipetx: layout %s (pipeline_length x replicas), %d micro-batches, %s schedule; stage costs [%s]",
-                layout,
-                engine.num_microbatches,
-                self.schedule,
-                costs,
-            )
-        log.debug("rank %d: stage %d runs blocks [%d, %d)", self.global_rank, engine.topology.stage, start, end)
+            log.info("pipetx: %s (pipeline_length x replicas), %s schedule", plan.describe(), self.schedule)
         return engine
+
+    # ---------------------------------------------------------- transitions
+    def on_freeze(self, trainer: pl.Trainer, frozen_blocks: int) -> None:
+        """Called by FreezeCallback on every rank after it froze ``frozen_blocks`` leading blocks.
+
+        With ``elastic=True`` the strategy re-plans the layout for the new frozen prefix and,
+        when the plan changed, moves to it before the next epoch's dataloaders are built.
+        """
+        engine = self._require_engine()
+        previous, self._frozen = self._frozen, frozen_blocks
+        new_plan = self._plan(frozen_blocks)
+        if new_plan == engine.plan:
+            return
+        started = time.perf_counter()
+        old_plan = engine.plan
+        engine.close(restore_weights=False)
+        move_blocks(
+            self._split.blocks, self.optimizers, self._store, old_plan, new_plan, self.global_rank, self.root_device
+        )
+        self.engine = self._build_engine(new_plan)
+        # Rebuild the dataloaders with the new replica count before the next epoch.
+        trainer.fit_loop._combined_loader = None
+        trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
+        if self.is_global_zero:
+            log.info(
+                "pipetx: frozen %d->%d blocks, layout %s -> %s, %.1f s",
+                previous,
+                frozen_blocks,
+                old_plan.layout,
+                new_plan.layout,
+                time.perf_counter() - started,
+            )
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Keep the global batch constant when the number of replicas changes."""
+        trainer = self.lightning_module.trainer
+        if not trainer.training or self.engine is None or not isinstance(dataloader, DataLoader):
+            return dataloader
+        replicas = self.engine.layout.replicas
+        if self._batch0 is None:
+            self._batch0 = (dataloader.batch_size, replicas)
+        if not self.keep_global_batch:
+            return dataloader
+        return rebatch(dataloader, self._batch0, replicas)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0:
+            layout = self._require_engine().layout
+            for name, value in (("pipeline_length", layout.pipeline_length), ("replicas", layout.replicas)):
+                self.lightning_module.log(f"pipetx/{name}", float(value), on_step=False, on_epoch=True, sync_dist=True)
 
     def _broadcast_module_state(self) -> None:
         """Start every rank from global rank 0's weights, as DDP does when it wraps."""
@@ -285,7 +342,8 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         if self.engine is not None:
-            self.engine.close(failed=self._failed)
+            failed = self._failed  # collectives with a dead peer would wait for the timeout again
+            self.engine.close(restore_weights=not failed, destroy_groups=not failed)
             self.engine = None
         plugin = self.precision_plugin
         plugin.__dict__.pop("clip_gradients", None)

@@ -16,20 +16,15 @@ import torch
 import torch.distributed as dist
 
 from lightning_pipetx.blocks import BlockSplit
+from lightning_pipetx.strategy.autopipe import Plan
 from lightning_pipetx.strategy.grad_sync import GradientSync
 from lightning_pipetx.strategy.log_replay import LogRecorder, replay
 from lightning_pipetx.strategy.microbatch import batch_size, join_outputs, split_batch
 from lightning_pipetx.strategy.p2p import Channel
 from lightning_pipetx.strategy.param_store import ParamStore, gather_block_state
-from lightning_pipetx.strategy.partition import partition, stage_costs
 from lightning_pipetx.strategy.stage_hooks import StageHooks
 from lightning_pipetx.strategy.stage_runner import StageRunner
-from lightning_pipetx.strategy.topology import Layout, Topology
-
-
-def block_costs(split: BlockSplit) -> list[float]:
-    """Parameter count per block: the partition's cost model."""
-    return [float(sum(p.numel() for p in split.block_parameters(i))) for i in range(split.num_blocks)]
+from lightning_pipetx.strategy.topology import Topology
 
 
 class PipelineEngine:
@@ -39,36 +34,30 @@ class PipelineEngine:
         self,
         module: pl.LightningModule,
         split: BlockSplit,
-        layout: Layout,
+        plan: Plan,
+        store: ParamStore,
         rank: int,
         device: torch.device,
-        num_microbatches: int,
         schedule: str,
         timeout: timedelta | None = None,
     ) -> None:
-        if layout.pipeline_length > split.num_blocks:
-            raise ValueError(
-                f"pipeline_length={layout.pipeline_length} is more stages than the model's "
-                f"{split.num_blocks} blocks at {split.path!r}: use a pipeline_length of at most {split.num_blocks}."
-            )
         self.module = module
         self.split = split
-        self.layout = layout
+        self.plan = plan
+        self.layout = plan.layout
+        self.bounds = list(plan.bounds)
+        self.num_microbatches = plan.num_microbatches
         self.device = device
-        self.num_microbatches = num_microbatches
         self.schedule = schedule
-        self.topology = Topology(layout, rank, timeout)
-        self.costs = block_costs(split)
-        self.bounds = partition(self.costs, layout.pipeline_length)
-        self.stage_costs = stage_costs(self.costs, self.bounds)
+        self.topology = Topology(plan.layout, rank, timeout)
         start, end = self.bounds[self.topology.stage]
         self.block_range = range(start, end)
 
         self.hooks = StageHooks(split.blocks, start, end, self.topology.is_last_stage)
         self.hooks.install()
         self.runner = StageRunner(self.topology, self.hooks, Channel(device))
-        self.store = ParamStore(split.blocks)
-        self.store.release(self.block_range)
+        self.store = store
+        store.release(self.block_range)
 
         block_param_ids = {id(p) for i in range(split.num_blocks) for p in split.block_parameters(i)}
         all_params = list(module.parameters())
@@ -165,9 +154,10 @@ class PipelineEngine:
             self.split.blocks, prefix, self.store, self.layout, self.bounds, self.topology.global_rank
         )
 
-    def close(self, failed: bool) -> None:
-        """Remove the hooks; unless a rank failed, bring every block back on every rank and free the groups."""
+    def close(self, restore_weights: bool, destroy_groups: bool = True) -> None:
+        """Remove the hooks; bring every block back on every rank; free the process groups."""
         self.hooks.remove()
-        if not failed:  # collectives with a dead peer would wait for the timeout again
+        if restore_weights:
             self.store.restore_all(self.layout, self.bounds)
+        if destroy_groups:
             self.topology.destroy()

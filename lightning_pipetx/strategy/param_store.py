@@ -38,9 +38,11 @@ class ParamStore:
                     self._shapes[id(param)] = param.shape
                     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
-    def _materialize(self, param: nn.Parameter) -> None:
-        shape = self._shapes.pop(id(param))
-        param.data = torch.empty(shape, dtype=param.dtype, device=param.device)
+    def materialize(self, param: nn.Parameter) -> None:
+        """Give a released parameter storage again (its values are to be filled in)."""
+        shape = self._shapes.pop(id(param), None)
+        if shape is not None:
+            param.data = torch.empty(shape, dtype=param.dtype, device=param.device)
 
     def restore_all(self, layout: Layout, bounds: list[tuple[int, int]]) -> None:
         """Bring back every block on every rank, broadcast from replica 0's owner of each stage."""
@@ -48,8 +50,7 @@ class ParamStore:
             owner = layout.rank(0, stage)
             for index in range(start, end):
                 for param in self.blocks[index].parameters():
-                    if self.is_released(param):
-                        self._materialize(param)
+                    self.materialize(param)
                     if layout.world_size > 1:
                         dist.broadcast(param.data, src=owner)
 

@@ -1,0 +1,120 @@
+"""AutoPipe: choose the pipeline length and the stage boundaries for a frozen prefix.
+
+Costs per block are relative compute times (parameter counts as the fallback). A frozen
+block runs forward only, so it costs a third of a trainable block; the frozen prefix
+always sits on the first stage, outside the pipeline's backward. Memory per block is
+counted as four units for a trainable block (weights, gradients, two Adam moments) and
+one for a frozen block.
+
+The pipeline length ``K`` is chosen among the divisors of the initial length ``K0`` (so
+the global batch splits evenly over the new replicas): the candidates whose largest stage
+needs no more memory than the largest stage at the start (the paper's rule), ranked by the
+throughput model ``replicas * M / ((M + K - 1) * largest_stage_time)``; when no candidate
+fits that bound, the longest pipeline that can be built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from lightning_pipetx.blocks import BlockSplit
+from lightning_pipetx.strategy.partition import partition
+from lightning_pipetx.strategy.topology import Layout, divisors
+
+FROZEN_TIME = 1 / 3
+FROZEN_MEMORY = 1 / 4
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A layout, its micro-batch count, and which blocks each stage runs."""
+
+    layout: Layout
+    num_microbatches: int
+    bounds: tuple[tuple[int, int], ...]
+    stage_times: tuple[float, ...]
+    stage_memory: tuple[float, ...]
+
+    @property
+    def predicted_throughput(self) -> float:
+        k, m = self.layout.pipeline_length, self.num_microbatches
+        return self.layout.replicas * m / ((m + k - 1) * max(self.stage_times))
+
+    def describe(self) -> str:
+        times = ", ".join(f"{t:.3g}" for t in self.stage_times)
+        return f"layout {self.layout}, {self.num_microbatches} micro-batches, blocks {list(self.bounds)}, stage costs [{times}]"
+
+
+def frozen_partition(costs: Sequence[float], frozen: int, num_stages: int) -> list[tuple[int, int]]:
+    """Min-max partition in which blocks ``[0, frozen)`` all sit on the first stage."""
+    if frozen <= 0:
+        return partition(costs, num_stages)
+    items = [sum(costs[:frozen]) * FROZEN_TIME, *costs[frozen:]]
+    merged = partition(items, num_stages)
+    # Item 0 is the frozen prefix; item j > 0 is block frozen + j - 1.
+    return [(0 if s == 0 else s + frozen - 1, e + frozen - 1) for s, e in merged]
+
+
+def _stage_values(costs: Sequence[float], frozen: int, bounds: Sequence[tuple[int, int]], frozen_weight: float):
+    return tuple(
+        float(sum(costs[i] * (frozen_weight if i < frozen else 1.0) for i in range(start, end)))
+        for start, end in bounds
+    )
+
+
+def make_plan(
+    costs: Sequence[float], frozen: int, world_size: int, pipeline_length: int, num_microbatches: int | None
+) -> Plan:
+    """The plan for a given pipeline length (``num_microbatches=None``: 1 for K=1, else 2K)."""
+    bounds = tuple(frozen_partition(costs, frozen, pipeline_length))
+    m = num_microbatches or (1 if pipeline_length == 1 else 2 * pipeline_length)
+    return Plan(
+        Layout.for_world(world_size, pipeline_length),
+        m,
+        bounds,
+        _stage_values(costs, frozen, bounds, FROZEN_TIME),
+        _stage_values(costs, frozen, bounds, FROZEN_MEMORY),
+    )
+
+
+def max_stages(num_blocks: int, frozen: int) -> int:
+    """The most stages a frozen prefix allows: it shares the first stage."""
+    return num_blocks if frozen <= 0 else 1 + num_blocks - frozen
+
+
+def choose_plan(
+    costs: Sequence[float],
+    frozen: int,
+    world_size: int,
+    initial_length: int,
+    num_microbatches: int | None = None,
+    accept: Callable[[Layout], bool] | None = None,
+) -> Plan:
+    """The plan for ``frozen`` blocks, starting from ``initial_length`` stages with none frozen.
+
+    ``accept`` can rule layouts out (for example those the global batch does not split over).
+    """
+    memory_bound = max(make_plan(costs, 0, world_size, initial_length, num_microbatches).stage_memory)
+    feasible = [
+        k
+        for k in divisors(initial_length)
+        if k <= max_stages(len(costs), frozen)
+        and (k == initial_length or accept is None or accept(Layout.for_world(world_size, k)))
+    ]
+    if not feasible:
+        raise ValueError(
+            f"with {frozen} of {len(costs)} blocks frozen at most {max_stages(len(costs), frozen)} stages can be built, "
+            f"and no such pipeline length divides {initial_length} with a global batch that splits over its "
+            f"replicas: choose a global batch divisible by {world_size}, or pass keep_global_batch=False."
+        )
+    plans = [make_plan(costs, frozen, world_size, k, num_microbatches) for k in feasible]
+    fitting = [p for p in plans if max(p.stage_memory) <= memory_bound * (1 + 1e-9)]
+    if not fitting:
+        return plans[-1]
+    return max(fitting, key=lambda p: (p.predicted_throughput, -p.layout.pipeline_length))
+
+
+def block_costs(split: BlockSplit) -> list[float]:
+    """Parameter count per block: the cost model's fallback."""
+    return [float(sum(p.numel() for p in split.block_parameters(i))) for i in range(split.num_blocks)]

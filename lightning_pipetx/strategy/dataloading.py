@@ -1,0 +1,53 @@
+"""Re-batch the training DataLoader when the number of data-parallel replicas changes."""
+
+from __future__ import annotations
+
+from torch.utils.data import DataLoader
+
+
+def global_batch_fits(batch0: tuple[int | None, int] | None, replicas: int) -> bool:
+    """Whether the global batch of ``batch0 = (batch_size, replicas)`` splits over ``replicas``."""
+    if batch0 is None or batch0[0] is None:
+        return True
+    size, replicas0 = batch0
+    return (size * replicas0) % replicas == 0
+
+
+def rebatch(loader: DataLoader, batch0: tuple[int | None, int], replicas: int) -> DataLoader:
+    """The same loader with ``batch_size`` set so that ``batch_size * replicas`` stays the
+    global batch the user chose (``batch0 = (batch_size, replicas)`` at the start)."""
+    size0, replicas0 = batch0
+    if replicas == replicas0:
+        return loader
+    if size0 is None or loader.batch_size is None:
+        raise ValueError(
+            "ElasticPipelineStrategy(keep_global_batch=True) needs a DataLoader with batch_size set "
+            "(not a batch_sampler) to keep the global batch as replicas change; pass keep_global_batch=False."
+        )
+    if not global_batch_fits(batch0, replicas):
+        raise ValueError(
+            f"the global batch {size0 * replicas0} does not split over {replicas} replicas: choose a batch size "
+            f"that {replicas} divides, or pass keep_global_batch=False."
+        )
+    size = size0 * replicas0 // replicas
+    if loader.batch_size == size:
+        return loader
+    kwargs = {
+        "batch_size": size,
+        "sampler": loader.sampler,
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "drop_last": loader.drop_last,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "generator": loader.generator,
+        "pin_memory_device": loader.pin_memory_device,
+    }
+    if loader.num_workers > 0:
+        kwargs.update(
+            multiprocessing_context=loader.multiprocessing_context,
+            prefetch_factor=loader.prefetch_factor,
+            persistent_workers=loader.persistent_workers,
+        )
+    return DataLoader(loader.dataset, **kwargs)

@@ -1,0 +1,128 @@
+"""Move block weights and their optimizer state to the ranks of a new layout.
+
+Every replica holds identical copies of its stage's blocks and their optimizer state (the
+gradients were all-reduced before every step), so a rank that needs a block it does not
+hold can take it from any old holder. Transfers are point-to-point, in one global order
+that every rank derives from the two plans, so no rank waits on another out of turn.
+Blocks a rank no longer runs are released, with their optimizer state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_pipetx.strategy.autopipe import Plan
+from lightning_pipetx.strategy.param_store import ParamStore
+
+
+def _stage_of(plan: Plan) -> dict[int, int]:
+    return {i: stage for stage, (start, end) in enumerate(plan.bounds) for i in range(start, end)}
+
+
+def transfers(old: Plan, new: Plan, num_blocks: int) -> list[tuple[int, int, int]]:
+    """``(block, src, dst)`` for every block a rank of ``new`` runs but did not hold in ``old``."""
+    old_stage, new_stage = _stage_of(old), _stage_of(new)
+    moves = []
+    for block in range(num_blocks):
+        holders = old.layout.stage_ranks(old_stage[block])
+        for dst in new.layout.stage_ranks(new_stage[block]):
+            if dst not in holders:
+                moves.append((block, holders[dst % len(holders)], dst))
+    return moves
+
+
+def _state_meta(state: dict[str, Any] | None, param: nn.Parameter) -> dict[str, tuple] | None:
+    if state is None:
+        return None
+    meta = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            meta[key] = ("tensor", tuple(value.shape), value.dtype, value.device == param.device)
+        else:
+            meta[key] = ("value", value)
+    return meta
+
+
+class BlockMover:
+    """Sends and receives whole blocks: weights, then optimizer state."""
+
+    def __init__(self, blocks: nn.Module, optimizers: list[Optimizer], store: ParamStore, device: torch.device):
+        self.blocks = blocks
+        self.store = store
+        self.device = device
+        self._owner = {id(p): opt for opt in optimizers for group in opt.param_groups for p in group["params"]}
+
+    def _optimizer(self, param: nn.Parameter) -> Optimizer | None:
+        return self._owner.get(id(param))
+
+    def send(self, block: int, dst: int) -> None:
+        params = list(self.blocks[block].parameters())
+        states = [self._optimizer(p).state.get(p) if self._optimizer(p) else None for p in params]
+        dist.send_object_list([[_state_meta(s, p) for s, p in zip(states, params)]], dst=dst, device=self.device)
+        for param, state in zip(params, states):
+            dist.send(param.data.to(self.device), dst=dst)
+            for value in (state or {}).values():
+                if isinstance(value, torch.Tensor):
+                    dist.send(value.to(self.device), dst=dst)
+
+    def recv(self, block: int, src: int) -> None:
+        params = list(self.blocks[block].parameters())
+        message: list[Any] = [None]
+        dist.recv_object_list(message, src=src, device=self.device)
+        for param, meta in zip(params, message[0]):
+            self.store.materialize(param)
+            buffer = torch.empty_like(param.data, device=self.device)
+            dist.recv(buffer, src=src)
+            param.data.copy_(buffer)
+            optimizer = self._optimizer(param)
+            if meta is None or optimizer is None:
+                continue
+            state = {}
+            for key, spec in meta.items():
+                if spec[0] == "value":
+                    state[key] = spec[1]
+                    continue
+                _, shape, dtype, on_param_device = spec
+                received = torch.empty(shape, dtype=dtype, device=self.device)
+                dist.recv(received, src=src)
+                state[key] = received.to(param.device if on_param_device else torch.device("cpu"))
+            optimizer.state[param] = state
+
+    def drop_state(self, keep: range) -> None:
+        """Forget the optimizer state of every block outside ``keep``."""
+        for index, block in enumerate(self.blocks):
+            if index not in keep:
+                for param in block.parameters():
+                    optimizer = self._optimizer(param)
+                    if optimizer is not None:
+                        optimizer.state.pop(param, None)
+
+
+def move_blocks(
+    blocks: nn.Module,
+    optimizers: list[Optimizer],
+    store: ParamStore,
+    old: Plan,
+    new: Plan,
+    rank: int,
+    device: torch.device,
+) -> int:
+    """Give this rank the blocks of its stage in ``new``; release the rest. Returns blocks received."""
+    mover = BlockMover(blocks, optimizers, store, device)
+    received = 0
+    for block, src, dst in transfers(old, new, len(blocks)):
+        if rank == src:
+            mover.send(block, dst)
+        elif rank == dst:
+            mover.recv(block, src)
+            received += 1
+    start, end = new.bounds[new.layout.coords(rank)[1]]
+    keep = range(start, end)
+    store.release(keep)
+    mover.drop_state(keep)
+    return received

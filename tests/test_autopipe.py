@@ -1,0 +1,70 @@
+"""AutoPipe's plan for a frozen prefix, and the block transfers of a transition."""
+
+import itertools
+import random
+
+import pytest
+
+from lightning_pipetx import Layout
+from lightning_pipetx.strategy.autopipe import FROZEN_TIME, choose_plan, frozen_partition, make_plan, max_stages
+from lightning_pipetx.strategy.transition import transfers
+
+
+def _best_with_frozen_prefix(costs, frozen, k):
+    n, best = len(costs), float("inf")
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        if cuts and cuts[0] < frozen:
+            continue  # the frozen prefix must stay on the first stage
+        bounds = list(zip((0, *cuts), (*cuts, n)))
+        worst = max(sum(costs[i] * (FROZEN_TIME if i < frozen else 1) for i in range(s, e)) for s, e in bounds)
+        best = min(best, worst)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_frozen_partition_is_optimal_and_keeps_the_prefix_on_stage_zero(seed):
+    rng = random.Random(seed)
+    n = rng.randint(2, 9)
+    frozen = rng.randint(0, n - 1)
+    k = rng.randint(1, max_stages(n, frozen))
+    costs = [rng.uniform(0.5, 5) for _ in range(n)]
+    bounds = frozen_partition(costs, frozen, k)
+    assert bounds[0][0] == 0 and bounds[-1][1] == n and len(bounds) == k
+    assert bounds[0][1] >= frozen and all(s < e for s, e in bounds)
+    worst = max(sum(costs[i] * (FROZEN_TIME if i < frozen else 1) for i in range(s, e)) for s, e in bounds)
+    assert worst == pytest.approx(_best_with_frozen_prefix(costs, frozen, k))
+
+
+def test_nothing_frozen_keeps_the_initial_pipeline():
+    plan = choose_plan([1.0] * 8, frozen=0, world_size=8, initial_length=4)
+    assert plan.layout == Layout(4, 2) and plan.bounds == ((0, 2), (2, 4), (4, 6), (6, 8))
+    assert plan.num_microbatches == 8
+
+
+def test_the_pipeline_compresses_once_the_memory_bound_allows():
+    costs = [1.0] * 8  # initial largest stage: two trainable blocks
+    assert choose_plan(costs, 3, 4, 4).layout == Layout(4, 1)  # 2 replicas would need 2.75 units
+    plan = choose_plan(costs, 6, 4, 4)
+    assert plan.layout == Layout(2, 2) and plan.bounds == ((0, 6), (6, 8))  # frozen prefix costs 2, as 2 blocks
+
+
+def test_without_a_fitting_layout_the_longest_buildable_pipeline_is_kept():
+    plan = choose_plan([1.0] * 4, 2, 4, 4)  # 4 stages cannot be built around a 2-block frozen prefix
+    assert plan.layout == Layout(2, 2) and plan.bounds == ((0, 3), (3, 4))
+
+
+def test_layouts_can_be_ruled_out():
+    plan = choose_plan([1.0] * 8, 5, 4, 4, accept=lambda layout: layout.replicas == 1)
+    assert plan.layout == Layout(4, 1)
+    with pytest.raises(ValueError, match="at most 3 stages"):
+        choose_plan([1.0] * 8, 6, 4, 4, accept=lambda layout: layout.replicas == 1)
+
+
+def test_transfers_send_each_new_block_once_to_each_rank_that_lacks_it():
+    old = make_plan([1.0] * 4, 0, 4, 4, None)
+    new = make_plan([1.0] * 4, 2, 4, 2, None)
+    assert new.bounds == ((0, 3), (3, 4))
+    moves = transfers(old, new, 4)
+    # Old: block i on rank 3 - i. New: blocks 0-2 on ranks 1 and 3, block 3 on ranks 0 and 2.
+    assert moves == [(0, 3, 1), (1, 2, 1), (1, 2, 3), (2, 1, 3), (3, 0, 2)]
+    assert transfers(new, new, 4) == []

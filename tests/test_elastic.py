@@ -1,0 +1,48 @@
+"""Elastic transitions on 4 CPU processes: the layout follows the plan as blocks freeze, and
+training continues exactly as a single process with the same frozen prefix would."""
+
+import json
+
+import pytest
+import torch
+from distributed import run_workers
+from elastic_cases import EPOCHS, build_module, reference_run
+from tiny_models import TASKS
+
+from lightning_pipetx import find_blocks
+from lightning_pipetx.strategy.autopipe import block_costs, choose_plan
+
+
+@pytest.fixture(scope="module", params=["bert", "timm_vit"])
+def elastic_run(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"elastic_{request.param}")
+    run_workers("elastic_worker.py", 4, str(out), request.param)
+    return request.param, out, json.loads((out / "report.json").read_text())
+
+
+def test_layout_per_epoch_follows_the_plan(elastic_run):
+    model, _, report = elastic_run
+    costs = block_costs(find_blocks(build_module(model), TASKS[model].blocks_path))
+    assert len(report["epochs"]) == EPOCHS
+    for frozen, length, replicas, batch in report["epochs"]:
+        plan = choose_plan(costs, frozen, world_size=4, initial_length=4)
+        assert (length, replicas) == (plan.layout.pipeline_length, plan.layout.replicas)
+        assert batch * replicas == 8  # the global batch is kept
+    layouts = [(e[1], e[2]) for e in report["epochs"]]
+    assert layouts[0] == (4, 1) and layouts[-1] == (2, 2), layouts
+
+
+def test_training_continues_as_in_one_process(elastic_run):
+    model, out, _ = elastic_run
+    result = torch.load(out / "final.pt", weights_only=True)["state"]
+    state, _ = reference_run(model)
+    for key, expected in state.items():
+        torch.testing.assert_close(result[key], expected, atol=1e-5, rtol=1e-4, msg=key)
+
+
+def test_fit_validate_and_checkpoints_complete(elastic_run):
+    _, _, report = elastic_run
+    assert len(report["checkpoints"]) == EPOCHS
+    assert "val_loss" in report["validate"]
+    assert report["metrics"]["pipetx/pipeline_length"] == 2.0
+    assert report["metrics"]["pipetx/replicas"] == 2.0

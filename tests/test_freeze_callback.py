@@ -1,0 +1,732 @@
+"""FreezeCallback with real Lightning Trainers on CPU: one device, and Lightning's plain DDP."""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import tiny_models as tm
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import Logger
+from torch import nn
+
+from lightning_pipetx import BlockListNotFoundError, FreezeCallback
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+# ---------------------------------------------------------------------------- helpers
+def make_trainer(callbacks, max_epochs=3, **kwargs) -> pl.Trainer:
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=max_epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    options.update(kwargs)
+    return pl.Trainer(callbacks=callbacks, **options)
+
+
+def seq_module(**kwargs) -> tm.TinySequentialRegressor:
+    return tm.TinySequentialRegressor(seed=0, **kwargs)
+
+
+def seq_loader(size: int = 16, batch_size: int = 4):
+    return tm.task_loader("sequential", size=size, batch_size=batch_size)
+
+
+def snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def prefix_names(module: nn.Module, fc: FreezeCallback, frozen: int) -> set[str]:
+    """Names (inside ``module``) of the parameters that freezing ``frozen`` blocks covers."""
+    ids = {id(p) for p in fc.split.prefix_parameters(frozen)}
+    return {name for name, p in module.named_parameters() if id(p) in ids}
+
+
+class EpochProbe(Callback):
+    """Records, at every epoch start and at the end of fit, the frozen count and the parameters.
+
+    Put it after the FreezeCallback in ``callbacks``.
+    """
+
+    def __init__(self, fc: FreezeCallback) -> None:
+        self.fc = fc
+        self.frozen_at_start: list[int] = []
+        self.decisions_at_start: list[int] = []
+        self.params_at_start: list[dict[str, torch.Tensor]] = []
+        self.requires_grad_at_start: list[dict[str, bool]] = []
+        self.reasons: list[str | None] = []
+        self.final_params: dict[str, torch.Tensor] | None = None
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.frozen_at_start.append(self.fc.frozen_blocks)
+        self.decisions_at_start.append(self.fc.decisions)
+        self.params_at_start.append(snapshot(pl_module))
+        self.requires_grad_at_start.append({n: p.requires_grad for n, p in pl_module.named_parameters()})
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.reasons.append(None if self.fc.last_decision is None else self.fc.last_decision.reason)
+
+    def on_train_end(self, trainer, pl_module):
+        self.final_params = snapshot(pl_module)
+
+
+class ModeProbe(Callback):
+    """Forward pre-hooks on pre, blocks and post record ``module.training`` during training steps."""
+
+    def __init__(self, fc: FreezeCallback) -> None:
+        self.fc = fc
+        self.seen: list[tuple[int, str, bool]] = []  # (epoch, part, training)
+        self._handles = []
+
+    def on_train_start(self, trainer, pl_module):
+        split = self.fc.split
+
+        def hook(part):
+            def record(module, args):
+                if trainer.training:
+                    self.seen.append((trainer.current_epoch, part, module.training))
+
+            return record
+
+        for name, module in split.pre:
+            self._handles.append(module.register_forward_pre_hook(hook(f"pre:{name}")))
+        for i in range(split.num_blocks):
+            self._handles.append(split.block(i).register_forward_pre_hook(hook(f"block:{i}")))
+        for name, module in split.post:
+            self._handles.append(module.register_forward_pre_hook(hook(f"post:{name}")))
+
+    def on_train_end(self, trainer, pl_module):
+        for handle in self._handles:
+            handle.remove()
+
+
+class MemoryLogger(Logger):
+    """A logger that keeps every logged metric in memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.rows.append((step, dict(metrics)))
+
+    def values(self, key: str) -> list[float]:
+        return [float(m[key]) for _, m in self.rows if key in m]
+
+
+def rule(frozen: int, mean_norms: list[float], num_blocks: int, alpha: float, min_active: int) -> int:
+    """The paper's rule, written out again here so that the callback is checked against it."""
+    cap = num_blocks - min_active
+    if frozen >= cap:
+        return frozen
+    alpha_term = frozen + math.ceil(alpha * (num_blocks - frozen) - 1e-9)
+    active = list(range(frozen, num_blocks))
+    grad_term = min(active, key=lambda i: mean_norms[i]) + 1
+    return min(alpha_term, grad_term, cap)
+
+
+class GradNormProbe(Callback):
+    """Measures per-block gradient norms itself and predicts each decision with :func:`rule`.
+
+    At every epoch end it also checks that the callback accumulated the same norms over the
+    current interval. Put it before the FreezeCallback in ``callbacks``, so that it sees the
+    state before a decision.
+    """
+
+    def __init__(self, fc: FreezeCallback, alpha: float, min_active: int = 1, interval: int = 1) -> None:
+        self.fc, self.alpha, self.min_active, self.interval = fc, alpha, min_active, interval
+        self.sums: list[float] | None = None
+        self.steps = 0
+        self.pending = False
+        self.predicted: list[int] = []
+        self.actual: list[int] = []
+        self.checked_epochs: list[int] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        split = self.fc.split
+        if self.sums is None:
+            self.sums = [0.0] * split.num_blocks
+        for i in range(split.num_blocks):
+            grads = [p.grad.detach().float() for p in split.block_parameters(i) if p.grad is not None]
+            if grads:
+                self.sums[i] += float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+        self.steps += 1
+
+    def _record_actual(self) -> None:
+        if self.pending:
+            self.actual.append(self.fc.frozen_blocks)
+            self.pending = False
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self._record_actual()
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        state = self.fc.state_dict()
+        frozen = self.fc.frozen_blocks
+        assert state["norm_steps"] == self.steps
+        assert state["norm_sums"][frozen:] == pytest.approx(self.sums[frozen:], rel=1e-6)
+        self.checked_epochs.append(trainer.current_epoch)
+        if (trainer.current_epoch + 1) % self.interval:
+            return
+        means = [s / self.steps for s in self.sums]
+        self.predicted.append(rule(frozen, means, self.fc.split.num_blocks, self.alpha, self.min_active))
+        self.sums, self.steps, self.pending = None, 0, True
+
+    def on_train_end(self, trainer, pl_module):
+        self._record_actual()
+
+
+# ---------------------------------------------------------------- argument validation
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(alpha=0.0), "alpha"),
+        (dict(alpha=-0.5), "alpha"),
+        (dict(alpha=1.5), "alpha"),
+        (dict(alpha=float("nan")), "alpha"),
+        (dict(freeze_interval=0), "freeze_interval"),
+        (dict(freeze_interval=-1), "freeze_interval"),
+        (dict(freeze_interval=1.5), "freeze_interval"),
+        (dict(freeze_interval="2"), "freeze_interval"),
+        (dict(freeze_interval=True), "freeze_interval"),
+        (dict(min_active_blocks=True), "min_active_blocks"),
+        (dict(min_active_blocks=0), "min_active_blocks"),
+        (dict(min_active_blocks=2.0), "min_active_blocks"),
+        (dict(signal="loss"), "signal"),
+        (dict(signal="Schedule"), "signal"),
+    ],
+)
+def test_invalid_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FreezeCallback(**kwargs)
+
+
+def test_valid_arguments_are_kept():
+    fc = FreezeCallback(alpha=1.0, freeze_interval=3, min_active_blocks=2, signal="schedule", blocks="model.blocks")
+    assert (fc.alpha, fc.freeze_interval, fc.min_active_blocks, fc.signal, fc.blocks) == (
+        1.0,
+        3,
+        2,
+        "schedule",
+        "model.blocks",
+    )
+    assert fc.frozen_blocks == 0 and fc.decisions == 0 and fc.last_decision is None
+
+
+def test_split_before_fit_raises():
+    with pytest.raises(RuntimeError, match="trainer.fit"):
+        FreezeCallback().split  # noqa: B018
+
+
+def test_min_active_blocks_leaving_nothing_to_freeze_fails_at_setup():
+    trainer = make_trainer([FreezeCallback(min_active_blocks=4)], max_epochs=1)
+    with pytest.raises(ValueError, match="min_active_blocks=4"):
+        trainer.fit(seq_module(), seq_loader())
+
+
+def test_bad_blocks_path_fails_at_setup():
+    trainer = make_trainer([FreezeCallback(blocks="model.layers")], max_epochs=1)
+    with pytest.raises(BlockListNotFoundError, match="blocks='model.layers'"):
+        trainer.fit(seq_module(), seq_loader())
+
+
+def test_model_without_block_list_fails_at_setup_naming_blocks():
+    class Flat(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = make_trainer([FreezeCallback()], max_epochs=1)
+    with pytest.raises(BlockListNotFoundError, match="blocks="):
+        trainer.fit(Flat(), seq_loader())
+
+
+def test_explicit_blocks_path_is_used():
+    module = seq_module()
+    # ``model.blocks`` holds 4 blocks; a smaller, explicit list of 2 Linear layers takes precedence.
+    fc = FreezeCallback(alpha=1.0, signal="schedule", blocks="model.embed")
+    module.model.embed = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16))
+    trainer = make_trainer([fc], max_epochs=1)
+    trainer.fit(module, seq_loader())
+    assert fc.split.path == "model.embed"
+    assert fc.frozen_blocks == 1  # L = 2, cap 1
+    assert not any(p.requires_grad for p in module.model.embed[0].parameters())
+    assert all(p.requires_grad for p in module.model.embed[1].parameters())
+    assert all(p.requires_grad for p in module.model.blocks.parameters())
+
+
+# ------------------------------------------------------------------ decision cadence
+def test_freeze_interval_decides_every_n_epochs():
+    fc = FreezeCallback(alpha=1 / 3, freeze_interval=2, signal="schedule")
+    probe = EpochProbe(fc)
+    make_trainer([fc, probe], max_epochs=5).fit(seq_module(), seq_loader())
+    # Decisions after epochs 1 and 3 only. L = 4: ceil(4/3) = 2, then ceil(4 * 5/9) = 3.
+    assert probe.frozen_at_start == [0, 0, 2, 2, 3]
+    assert probe.decisions_at_start == [0, 0, 1, 1, 2]
+    assert fc.decisions == 2 and fc.frozen_blocks == 3
+    assert probe.reasons[0] is None and probe.reasons[2] == probe.reasons[1]
+
+
+def test_freeze_interval_accumulates_gradient_norms_over_the_interval():
+    fc = FreezeCallback(alpha=1.0, freeze_interval=2)
+    grad_probe = GradNormProbe(fc, alpha=1.0, interval=2)
+    make_trainer([grad_probe, fc], max_epochs=5).fit(seq_module(), seq_loader())
+    # The probe compared the callback's sums with its own at every epoch end: over 2 epochs
+    # (8 steps) before each decision, and restarted from zero after it.
+    assert grad_probe.checked_epochs == [0, 1, 2, 3, 4]
+    assert fc.decisions == 2
+    assert grad_probe.actual == grad_probe.predicted and len(grad_probe.predicted) == 2
+    state = fc.state_dict()
+    assert state["norm_steps"] == 4  # epoch 4 only, not decided yet
+    assert all(s > 0 for s in state["norm_sums"][fc.frozen_blocks :])
+
+
+class _NoStepRegressor(tm.TinySequentialRegressor):
+    """Returns no loss: Lightning takes no optimizer step, so no gradient is ever measured."""
+
+    def training_step(self, batch, batch_idx):
+        return None
+
+
+def test_no_gradient_signal_means_no_decision():
+    fc = FreezeCallback(alpha=1.0)
+    make_trainer([fc], max_epochs=2).fit(_NoStepRegressor(seed=0), seq_loader())
+    assert fc.frozen_blocks == 0 and fc.decisions == 0
+
+
+def test_signal_schedule_ignores_gradients():
+    # Block 0 has by far the smallest gradients: the gradient term would stop at 1 block.
+    fc = FreezeCallback(alpha=1 / 3, signal="schedule")
+    probe = EpochProbe(fc)
+    module = seq_module(block_scales=[1e-3, 1.0, 1.0, 1.0])
+    make_trainer([fc, probe], max_epochs=3).fit(module, seq_loader())
+    assert probe.frozen_at_start == [0, 2, 3]
+    assert fc.frozen_blocks == 3 and fc.decisions == 3
+    assert probe.reasons[0] == "bound by schedule"
+    assert probe.reasons[2].startswith("cap reached")
+
+
+def test_grad_norm_signal_with_same_model_stops_at_smallest_block():
+    fc = FreezeCallback(alpha=1 / 3)
+    module = seq_module(block_scales=[1e-3, 1.0, 1.0, 1.0])
+    make_trainer([fc], max_epochs=1).fit(module, seq_loader())
+    assert fc.frozen_blocks == 1
+    assert fc.last_decision.reason == "bound by gradient norm (smallest at block 0)"
+
+
+@pytest.mark.parametrize(
+    ("scales", "alpha", "min_active", "frozen", "reason"),
+    [
+        # gradient term: block 1 has 1000x smaller gradients -> 2; alpha 4; cap 3.
+        ([1.0, 1e-3, 1.0, 1.0], 1.0, 1, 2, "bound by gradient norm (smallest at block 1)"),
+        # alpha term: ceil(4 * 0.25) = 1; the gradient term points at the last block (4).
+        ([1.0, 1.0, 1.0, 1e-3], 0.25, 1, 1, "bound by alpha"),
+        # cap: alpha and gradient terms both say 4; L - 1 = 3.
+        ([1.0, 1.0, 1.0, 1e-3], 1.0, 1, 3, "bound by cap (min_active_blocks=1)"),
+        ([1.0, 1.0, 1.0, 1e-3], 1.0, 2, 2, "bound by cap (min_active_blocks=2)"),
+    ],
+)
+def test_which_term_binds_end_to_end(scales, alpha, min_active, frozen, reason):
+    fc = FreezeCallback(alpha=alpha, min_active_blocks=min_active)
+    module = seq_module(block_scales=scales)
+    make_trainer([fc], max_epochs=1).fit(module, seq_loader())
+    assert fc.frozen_blocks == frozen
+    assert fc.last_decision.reason == reason
+    names = prefix_names(module, fc, frozen)
+    for name, p in module.named_parameters():
+        assert p.requires_grad == (name not in names), name
+
+
+# ------------------------------------------------------------ what freezing does
+def test_frozen_parameters_stay_bit_identical_and_active_ones_train():
+    fc = FreezeCallback(alpha=0.25)  # one more block per decision: 1, 2, 3
+    probe = EpochProbe(fc)
+    module = seq_module()
+    make_trainer([fc, probe], max_epochs=4).fit(module, seq_loader())
+    assert probe.frozen_at_start == [0, 1, 2, 3]
+
+    params = probe.params_at_start + [probe.final_params]
+    all_names = set(params[0])
+    for epoch in range(4):
+        frozen = prefix_names(module, fc, probe.frozen_at_start[epoch])
+        before, after = params[epoch], params[epoch + 1]
+        for name in all_names:
+            if name in frozen:
+                assert torch.equal(before[name], after[name]), f"epoch {epoch}: frozen {name} changed"
+                assert not probe.requires_grad_at_start[epoch][name]
+            else:
+                assert not torch.equal(before[name], after[name]), f"epoch {epoch}: active {name} did not train"
+                assert probe.requires_grad_at_start[epoch][name]
+    # The embedding (pre) froze at the first decision, the head never did.
+    assert not module.model.embed[0].weight.requires_grad
+    assert module.model.head.weight.requires_grad and module.model.blocks[3].fc1.weight.requires_grad
+
+
+def test_frozen_parameters_leave_the_optimizer_alone():
+    fc = FreezeCallback(alpha=0.25)
+    module = seq_module()
+    trainer = make_trainer([fc], max_epochs=2)
+    trainer.fit(module, seq_loader())
+    assert fc.frozen_blocks == 2
+    optimizer = trainer.optimizers[0]
+    frozen_at_first = set(map(id, fc.split.prefix_parameters(1)))
+    # AdamW took no step for them after the first freeze; nothing holds a gradient.
+    steps = {id(p): int(optimizer.state[p]["step"]) for g in optimizer.param_groups for p in g["params"]}
+    active_steps = {steps[id(p)] for p in module.parameters() if p.requires_grad}
+    assert active_steps == {8}
+    assert {steps[i] for i in frozen_at_first} == {4}
+    assert all(p.grad is None for p in fc.split.prefix_parameters(2))
+
+
+class TrainAfterValidation(tm.TinySequentialRegressor):
+    """Overrides a documented Lightning hook whose default puts the *whole* model in train mode."""
+
+    def on_validation_model_train(self):
+        super().on_validation_model_train()
+
+
+@pytest.mark.parametrize(
+    ("val_check_interval", "module_class"),
+    [(1.0, tm.TinySequentialRegressor), (0.5, tm.TinySequentialRegressor), (0.5, TrainAfterValidation)],
+)
+def test_frozen_prefix_runs_in_eval_mode_and_active_blocks_in_train_mode(val_check_interval, module_class):
+    fc = FreezeCallback(alpha=0.5)  # L = 4: 2, then 3 (cap)
+    probe = ModeProbe(fc)
+    module = module_class(seed=0, block_scales=[1.0, 1.0, 1.0, 1e-3])  # the alpha term binds
+    trainer = make_trainer(
+        [fc, probe],
+        max_epochs=3,
+        val_check_interval=val_check_interval,
+        limit_val_batches=1,
+        num_sanity_val_steps=1,
+    )
+    trainer.fit(module, seq_loader(), seq_loader(size=8))
+    frozen_by_epoch = {0: 0, 1: 2, 2: 3}
+    assert fc.frozen_blocks == 3
+    seen_parts = {part for _, part, _ in probe.seen}
+    assert seen_parts == {"pre:model.embed"} | {f"block:{i}" for i in range(4)} | {"post:model.norm", "post:model.head"}
+    for epoch, part, training in probe.seen:
+        frozen = frozen_by_epoch[epoch]
+        if part.startswith("pre:"):
+            expect_train = frozen == 0
+        elif part.startswith("block:"):
+            expect_train = int(part.split(":")[1]) >= frozen
+        else:
+            expect_train = True
+        assert training == expect_train, (epoch, part, training)
+    assert {epoch for epoch, _, _ in probe.seen} == {0, 1, 2}
+    if module_class is tm.TinySequentialRegressor:
+        # Lightning restored the modes after the last validation.
+        assert not module.model.embed.training and not module.model.blocks[2].training
+        assert module.model.blocks[3].training and module.model.head.training
+
+
+def test_frozen_dropout_is_off():
+    # With dropout 0.5 in pre and blocks, a frozen prefix in eval mode gives the same output twice.
+    fc = FreezeCallback(alpha=0.25)
+    outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    class Twice(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.current_epoch == 1 and batch_idx == 0:
+                x, _ = batch
+                h1 = pl_module.model.blocks[0](pl_module.model.embed(x))
+                h2 = pl_module.model.blocks[0](pl_module.model.embed(x))
+                outputs.append((h1, h2))
+                o1 = pl_module.model.blocks[1](h1)
+                o2 = pl_module.model.blocks[1](h1)
+                outputs.append((o1, o2))
+
+    module = seq_module(dropout=0.5)
+    make_trainer([fc, Twice()], max_epochs=2).fit(module, seq_loader())
+    (h1, h2), (o1, o2) = outputs
+    assert torch.equal(h1, h2)  # embed + block 0 frozen: eval mode
+    assert not torch.equal(o1, o2)  # block 1 active: dropout on
+
+
+# ------------------------------------------------------------------------- logging
+def test_logs_frozen_blocks_and_throughput_every_epoch():
+    fc = FreezeCallback(alpha=0.5)  # L = 4: 2 after the first decision, then 3 (cap)
+    logger = MemoryLogger()
+    trainer = make_trainer([fc], max_epochs=4, logger=logger, log_every_n_steps=1)
+    trainer.fit(seq_module(block_scales=[1.0, 1.0, 1.0, 1e-3]), seq_loader(size=16, batch_size=4))
+    # Blocks frozen *during* each epoch (the decision at an epoch's end shows in the next one).
+    assert logger.values("pipetx/frozen_blocks") == [0.0, 2.0, 3.0, 3.0]
+    throughput = logger.values("pipetx/samples_per_sec")
+    assert len(throughput) == 4
+    assert all(math.isfinite(v) and v > 0 for v in throughput)
+    assert float(trainer.callback_metrics["pipetx/frozen_blocks"]) == 3.0
+    assert float(trainer.callback_metrics["pipetx/samples_per_sec"]) == throughput[-1]
+
+
+# --------------------------------------------------------------- real LightningModules
+def test_bert_lightning_module_freezes_by_the_papers_rule():
+    alpha = 1 / 3
+    fc = FreezeCallback(alpha=alpha)
+    grad_probe = GradNormProbe(fc, alpha)
+    probe = EpochProbe(fc)
+    module = tm.TinyBertClassifier(seed=0)
+    trainer = make_trainer([grad_probe, fc, probe], max_epochs=3)
+    trainer.fit(module, tm.task_loader("bert", size=32, batch_size=8), tm.task_loader("bert", size=8, seed=1))
+
+    # Each decision matches the rule applied to gradient norms measured independently.
+    assert grad_probe.actual == grad_probe.predicted
+    # Every decision freezes at least one more block; with L = 4 and cap 3 that is 3 after 3 epochs.
+    assert fc.frozen_blocks == 3 and fc.decisions == 3
+    frozen = prefix_names(module, fc, 3)
+    assert {n for n, p in module.named_parameters() if not p.requires_grad} == frozen
+    assert any(n.startswith("model.bert.embeddings.") for n in frozen)
+    assert any(n.startswith("model.bert.encoder.layer.2.") for n in frozen)
+    assert not any(n.startswith(("model.bert.encoder.layer.3.", "model.classifier.")) for n in frozen)
+    last = probe.frozen_at_start[-1]
+    for name in prefix_names(module, fc, last):
+        assert torch.equal(probe.params_at_start[-1][name], probe.final_params[name]), name
+    assert not torch.equal(probe.params_at_start[-1]["model.classifier.weight"], module.model.classifier.weight)
+    assert math.isfinite(float(trainer.callback_metrics["val_loss"]))
+
+
+def test_timm_vit_lightning_module_freezes_one_block_per_epoch():
+    fc = FreezeCallback(alpha=0.25)  # L = 4: the alpha term adds one block per decision
+    probe = EpochProbe(fc)
+    module = tm.TinyViTClassifier(seed=0)
+    trainer = make_trainer([fc, probe], max_epochs=3)
+    trainer.fit(module, tm.task_loader("timm_vit", size=16, batch_size=8))
+    assert probe.frozen_at_start == [0, 1, 2]
+    assert fc.frozen_blocks == 3
+    vit = module.model
+    assert not vit.cls_token.requires_grad and not vit.pos_embed.requires_grad
+    assert not any(p.requires_grad for p in vit.patch_embed.parameters())
+    assert not any(p.requires_grad for b in vit.blocks[:3] for p in b.parameters())
+    assert all(p.requires_grad for p in vit.blocks[3].parameters())
+    assert all(p.requires_grad for p in vit.head.parameters()) and vit.norm.weight.requires_grad
+    # During the last epoch (2 frozen) the prefix stayed put, the rest trained.
+    for name in prefix_names(module, fc, 2):
+        assert torch.equal(probe.params_at_start[2][name], probe.final_params[name]), name
+    assert not torch.equal(probe.params_at_start[2]["model.blocks.2.mlp.fc1.weight"], vit.blocks[2].mlp.fc1.weight)
+    assert not torch.equal(probe.params_at_start[2]["model.head.weight"], vit.head.weight)
+
+
+# ------------------------------------------------------------------ checkpoint / resume
+def test_state_dict_round_trip():
+    fc = FreezeCallback(alpha=1 / 3, freeze_interval=2)
+    make_trainer([fc], max_epochs=3).fit(seq_module(), seq_loader())
+    state = fc.state_dict()
+    assert state["frozen_blocks"] == fc.frozen_blocks >= 1 and state["decisions"] == 1
+    # Epoch 2 accumulated (4 steps), not decided yet; the decision after epoch 1 reset the sums.
+    assert state["norm_steps"] == 4 and len(state["norm_sums"]) == 4
+
+    other = FreezeCallback(alpha=1 / 3, freeze_interval=2)
+    other.load_state_dict(state)
+    assert other.state_dict() == state
+    assert other.frozen_blocks == fc.frozen_blocks and other.decisions == 1
+    # The state is plain data: it loads back with torch.load(weights_only=True).
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True) == state
+
+
+def _resume_trainer(tmp_path: Path, fc: FreezeCallback, probe: Callback, max_epochs: int, **kwargs):
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, filename="{epoch}-{step}")
+    return make_trainer([fc, probe, ckpt], max_epochs=max_epochs, enable_checkpointing=True, **kwargs)
+
+
+@pytest.mark.parametrize("resume_epoch", [0, 1])
+def test_resume_from_checkpoint_matches_an_uninterrupted_run(tmp_path, resume_epoch):
+    """freeze_interval=2: the epoch-0 checkpoint holds accumulated gradient norms and no decision,
+    the epoch-1 checkpoint holds a frozen prefix. Resumed runs must match a run never stopped."""
+
+    def new():
+        fc = FreezeCallback(alpha=1 / 3, freeze_interval=2)
+        return fc, EpochProbe(fc)
+
+    module_args = dict(dropout=0.0, block_scales=[1.0, 1e-3, 1.0, 1.0])
+    fc_a, probe_a = new()
+    module_a = seq_module(**module_args)
+    _resume_trainer(tmp_path / "a", fc_a, probe_a, 4).fit(module_a, seq_loader())
+    assert probe_a.frozen_at_start == [0, 0, 2, 2]  # gradient term: smallest at block 1
+    assert fc_a.frozen_blocks == 3
+
+    ckpt = tmp_path / "a" / f"epoch={resume_epoch}-step={4 * (resume_epoch + 1)}.ckpt"
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]["FreezeCallback"]
+    if resume_epoch == 0:
+        assert saved["frozen_blocks"] == 0 and saved["decisions"] == 0 and saved["norm_steps"] == 4
+    else:
+        assert saved["frozen_blocks"] == 2 and saved["decisions"] == 1 and saved["norm_steps"] == 0
+
+    fc_b, probe_b = new()
+    module_b = seq_module(**module_args)
+
+    class AtTrainStart(Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.requires_grad = {n: p.requires_grad for n, p in pl_module.named_parameters()}
+
+    at_start = AtTrainStart()
+    trainer = _resume_trainer(tmp_path / "b", fc_b, probe_b, 4)
+    trainer.callbacks.append(at_start)
+    trainer.fit(module_b, seq_loader(), ckpt_path=ckpt)
+
+    # The frozen prefix is back before the first resumed step.
+    frozen_names = prefix_names(module_b, fc_b, saved["frozen_blocks"])
+    assert {n for n, flag in at_start.requires_grad.items() if not flag} == frozen_names
+    assert probe_b.frozen_at_start == probe_a.frozen_at_start[resume_epoch + 1 :]
+    assert fc_b.frozen_blocks == fc_a.frozen_blocks and fc_b.decisions == fc_a.decisions
+    assert fc_b.state_dict() == fc_a.state_dict()
+    for name, value in probe_a.final_params.items():
+        assert torch.equal(value, probe_b.final_params[name]), name
+
+
+def test_resume_from_a_checkpoint_written_before_the_decision(tmp_path):
+    """With validation twice per epoch, ModelCheckpoint saves in on_validation_end, before the
+    epoch's decision in on_train_epoch_end; resuming must still take that decision."""
+    fc_a = FreezeCallback(alpha=0.25)
+    probe_a = EpochProbe(fc_a)
+    options = dict(val_check_interval=0.5, limit_val_batches=1)
+    module_args = dict(dropout=0.0)
+    _resume_trainer(tmp_path / "a", fc_a, probe_a, 3, **options).fit(
+        seq_module(**module_args), seq_loader(), seq_loader(size=4)
+    )
+    assert probe_a.frozen_at_start == [0, 1, 2]
+    ckpt = tmp_path / "a" / "epoch=0-step=4.ckpt"
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]["FreezeCallback"]
+    assert saved["frozen_blocks"] == 0 and saved["norm_steps"] == 4  # written before the decision
+
+    fc_b = FreezeCallback(alpha=0.25)
+    probe_b = EpochProbe(fc_b)
+    trainer = _resume_trainer(tmp_path / "b", fc_b, probe_b, 3, **options)
+    trainer.fit(seq_module(**module_args), seq_loader(), seq_loader(size=4), ckpt_path=ckpt)
+    assert probe_b.frozen_at_start == [1, 2]
+    assert fc_b.frozen_blocks == fc_a.frozen_blocks == 3
+    for name, value in probe_a.final_params.items():
+        assert torch.equal(value, probe_b.final_params[name]), name
+
+
+# -------------------------------------------------------------------- Lightning's DDP
+DDP_SCRIPT = textwrap.dedent(
+    """
+    import gc, sys, weakref
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+    from torch.nn.parallel import DistributedDataParallel
+    import tiny_models as tm
+    from lightning_pipetx import FreezeCallback
+
+    torch.set_num_threads(1)
+
+    class Probe(Callback):
+        def __init__(self, fc):
+            self.fc, self.frozen, self.params, self.wrappers, self.alive = fc, [], [], [], []
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            self.frozen.append(self.fc.frozen_blocks)
+            self.params.append({n: p.detach().clone() for n, p in pl_module.named_parameters()})
+            wrapper = trainer.strategy.model
+            is_new = not hasattr(wrapper, "_probe_seen")  # ids can be reused; a mark cannot
+            wrapper._probe_seen = True
+            self.wrappers.append((isinstance(wrapper, DistributedDataParallel), is_new, weakref.ref(wrapper)))
+            gc.collect()
+            self.alive = [ref() is not None for _, _, ref in self.wrappers]
+
+    fc = FreezeCallback(alpha=0.25)  # grad_norm signal: the all-reduced path
+    probe = Probe(fc)
+    model = tm.TinySequentialRegressor(seed=0, dropout=0.0)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_epochs=3, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[fc, probe],
+    )
+    trainer.fit(model, tm.task_loader("sequential", size=32, batch_size=4))
+    torch.save(
+        {
+            "frozen": probe.frozen + [fc.frozen_blocks],
+            "decisions": fc.decisions,
+            "params": probe.params + [{n: p.detach().clone() for n, p in model.named_parameters()}],
+            "prefix": [n for n, p in model.named_parameters()
+                       if any(p is q for q in fc.split.prefix_parameters(1))],
+            "is_ddp": [w[0] for w in probe.wrappers],
+            "new_wrapper": [w[1] for w in probe.wrappers],
+            "alive": probe.alive,
+            "world_size": trainer.world_size,
+        },
+        sys.argv[2] + f"/rank{trainer.global_rank}.pt",
+    )
+    """
+)
+
+
+def test_lightning_ddp_keeps_working_after_a_freeze(tmp_path):
+    script = tmp_path / "ddp_freeze.py"
+    script.write_text(DDP_SCRIPT)
+    pythonpath = [str(TESTS_DIR)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(pythonpath))
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(script),
+        str(TESTS_DIR),
+        str(tmp_path),
+    ]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    for out in ranks:
+        assert out["world_size"] == 2
+        assert out["frozen"] == [0, 1, 2, 3] and out["decisions"] == 3
+        assert all(out["is_ddp"])
+        # Re-wrapped after each freeze, and the old wrappers (with their reducers) are gone.
+        assert out["new_wrapper"] == [True, True, True]
+        assert out["alive"] == [False, False, True]
+        params = out["params"]  # at the start of epochs 0, 1, 2 and at the end
+        prefix = set(out["prefix"])
+        assert prefix and "model.embed.0.weight" in prefix and "model.blocks.0.fc1.weight" in prefix
+        for name in params[0]:
+            if name in prefix:  # frozen after epoch 0
+                assert torch.equal(params[1][name], params[3][name]), name
+                assert not torch.equal(params[0][name], params[1][name]), name
+            else:  # still trained in epoch 1 (blocks 1.. and head)
+                assert not torch.equal(params[1][name], params[2][name]), name
+        assert not torch.equal(params[2]["model.head.weight"], params[3]["model.head.weight"])
+        assert torch.equal(params[2]["model.blocks.1.fc1.weight"], params[3]["model.blocks.1.fc1.weight"])
+    # Both ranks took the same decisions and hold the same weights at every epoch.
+    for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[n], b[n]) for n in a)

@@ -1,0 +1,449 @@
+"""Tiny models, LightningModules and data sets built in code, for the test suite.
+
+Nothing here downloads anything: every model comes from a small config (hidden size 32,
+2 heads, 4 blocks, vocabulary 100) with weights drawn from a fixed seed, so that two calls
+with the same seed give bit-identical models. Later test files (strategy equivalence tests)
+import these factories, so keep them deterministic and side-effect free:
+
+* :func:`build_model` ``(name, seed)`` builds any model of :data:`MODEL_NAMES`; the global
+  RNG state is left untouched.
+* :class:`TinyBertClassifier` and :class:`TinyViTClassifier` are ordinary, unchanged
+  LightningModules around tiny HF BERT and timm ViT models; :class:`TinySequentialRegressor`
+  wraps the plain ``nn.Sequential`` model and is the fastest one.
+* :class:`RandomTokenDataset`, :class:`RandomImageDataset` and :class:`RandomVectorDataset`
+  are fixed-seed random data sets whose labels depend on the inputs (so training learns).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+HIDDEN = 32
+HEADS = 2
+LAYERS = 4
+INTERMEDIATE = 64
+VOCAB = 100
+MAX_POSITIONS = 64
+SEQ_LEN = 16
+IMG_SIZE = 32
+PATCH = 8
+NUM_LABELS = 3
+NUM_CLASSES = 5
+
+
+def _seeded(seed: int, factory: Callable[[], nn.Module]) -> nn.Module:
+    """Run ``factory`` with the torch CPU RNG seeded, without disturbing the caller's RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return factory()
+
+
+# --------------------------------------------------------------------------- HF models
+def _bert_config(dropout: float, num_labels: int):
+    from transformers import BertConfig
+
+    return BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        intermediate_size=INTERMEDIATE,
+        max_position_embeddings=MAX_POSITIONS,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        num_labels=num_labels,
+        attn_implementation="eager",
+    )
+
+
+def tiny_bert(seed: int = 0, dropout: float = 0.1, num_labels: int = NUM_LABELS) -> nn.Module:
+    from transformers import BertForSequenceClassification
+
+    return _seeded(seed, lambda: BertForSequenceClassification(_bert_config(dropout, num_labels)))
+
+
+def tiny_roberta(seed: int = 0, dropout: float = 0.1, num_labels: int = NUM_LABELS) -> nn.Module:
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+
+    config = RobertaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        intermediate_size=INTERMEDIATE,
+        max_position_embeddings=MAX_POSITIONS + 2,  # RoBERTa offsets positions by pad_token_id + 1
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        num_labels=num_labels,
+        pad_token_id=1,
+        attn_implementation="eager",
+    )
+    return _seeded(seed, lambda: RobertaForSequenceClassification(config))
+
+
+def tiny_distilbert(seed: int = 0, dropout: float = 0.1, num_labels: int = NUM_LABELS) -> nn.Module:
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+    config = DistilBertConfig(
+        vocab_size=VOCAB,
+        dim=HIDDEN,
+        n_layers=LAYERS,
+        n_heads=HEADS,
+        hidden_dim=INTERMEDIATE,
+        max_position_embeddings=MAX_POSITIONS,
+        dropout=dropout,
+        attention_dropout=dropout,
+        seq_classif_dropout=dropout,
+        num_labels=num_labels,
+        attn_implementation="eager",
+    )
+    return _seeded(seed, lambda: DistilBertForSequenceClassification(config))
+
+
+def tiny_hf_vit(seed: int = 0, dropout: float = 0.1, num_labels: int = NUM_CLASSES) -> nn.Module:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(
+        image_size=IMG_SIZE,
+        patch_size=PATCH,
+        num_channels=3,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        intermediate_size=INTERMEDIATE,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        num_labels=num_labels,
+        attn_implementation="eager",
+    )
+    return _seeded(seed, lambda: ViTForImageClassification(config))
+
+
+def tiny_gpt2(seed: int = 0, dropout: float = 0.1) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=MAX_POSITIONS,
+        n_embd=HIDDEN,
+        n_layer=LAYERS,
+        n_head=HEADS,
+        n_inner=INTERMEDIATE,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="eager",
+    )
+    return _seeded(seed, lambda: GPT2LMHeadModel(config))
+
+
+def tiny_llama(seed: int = 0) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        max_position_embeddings=MAX_POSITIONS,
+        attn_implementation="eager",
+    )
+    return _seeded(seed, lambda: LlamaForCausalLM(config))
+
+
+# ------------------------------------------------------------------------- timm models
+def _timm(name: str, seed: int, dropout: float, num_classes: int) -> nn.Module:
+    import timm
+
+    return _seeded(
+        seed,
+        lambda: timm.create_model(
+            name,
+            pretrained=False,
+            img_size=IMG_SIZE,
+            patch_size=PATCH,
+            embed_dim=HIDDEN,
+            depth=LAYERS,
+            num_heads=HEADS,
+            num_classes=num_classes,
+            drop_rate=dropout,
+            proj_drop_rate=dropout,
+            attn_drop_rate=dropout,
+        ),
+    )
+
+
+def tiny_timm_vit(seed: int = 0, dropout: float = 0.1, num_classes: int = NUM_CLASSES) -> nn.Module:
+    """timm ``vit_tiny_patch16_224`` shrunk to 32x32 images, patch 8, width 32, depth 4."""
+    return _timm("vit_tiny_patch16_224", seed, dropout, num_classes)
+
+
+def tiny_timm_deit(seed: int = 0, dropout: float = 0.1, num_classes: int = NUM_CLASSES) -> nn.Module:
+    """timm ``deit_tiny_patch16_224`` shrunk like :func:`tiny_timm_vit`."""
+    return _timm("deit_tiny_patch16_224", seed, dropout, num_classes)
+
+
+def tiny_timm_deit_distilled(seed: int = 0, dropout: float = 0.1, num_classes: int = NUM_CLASSES) -> nn.Module:
+    """timm ``deit_tiny_distilled_patch16_224`` (a ``dist_token`` next to ``cls_token``), shrunk."""
+    return _timm("deit_tiny_distilled_patch16_224", seed, dropout, num_classes)
+
+
+# -------------------------------------------------------------------- plain Sequential
+class ResidualMLPBlock(nn.Module):
+    """``x + scale * mlp(norm(x))``; ``scale`` is a fixed buffer that scales the block's gradients."""
+
+    def __init__(self, dim: int, scale: float = 1.0, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.act = nn.GELU()
+        self.drop = nn.Dropout(dropout)
+        self.fc2 = nn.Linear(2 * dim, dim)
+        self.register_buffer("scale", torch.tensor(float(scale)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.scale * self.fc2(self.drop(self.act(self.fc1(self.norm(x)))))
+
+
+def tiny_sequential(
+    seed: int = 0,
+    in_features: int = 8,
+    dim: int = 16,
+    out_features: int = 2,
+    num_blocks: int = LAYERS,
+    block_scales: list[float] | None = None,
+    dropout: float = 0.1,
+) -> nn.Sequential:
+    """A plain ``nn.Sequential``: ``embed`` (Linear + Dropout), ``blocks`` (residual MLPs), ``head``.
+
+    ``block_scales[i]`` multiplies block ``i``'s residual branch, and so its gradient norm:
+    tests use it to decide which block has the smallest gradient.
+    """
+    scales = block_scales if block_scales is not None else [1.0] * num_blocks
+    if len(scales) != num_blocks:
+        raise ValueError("block_scales needs one value per block")
+
+    def make() -> nn.Sequential:
+        return nn.Sequential(
+            OrderedDict(
+                embed=nn.Sequential(nn.Linear(in_features, dim), nn.Dropout(dropout)),
+                blocks=nn.Sequential(*(ResidualMLPBlock(dim, s, dropout) for s in scales)),
+                norm=nn.LayerNorm(dim),
+                head=nn.Linear(dim, out_features),
+            )
+        )
+
+    return _seeded(seed, make)
+
+
+MODEL_FACTORIES: dict[str, Callable[..., nn.Module]] = {
+    "bert": tiny_bert,
+    "roberta": tiny_roberta,
+    "distilbert": tiny_distilbert,
+    "hf_vit": tiny_hf_vit,
+    "gpt2": tiny_gpt2,
+    "llama": tiny_llama,
+    "timm_vit": tiny_timm_vit,
+    "timm_deit": tiny_timm_deit,
+    "timm_deit_distilled": tiny_timm_deit_distilled,
+    "sequential": tiny_sequential,
+}
+MODEL_NAMES = tuple(MODEL_FACTORIES)
+
+
+def build_model(name: str, seed: int = 0, **kwargs) -> nn.Module:
+    """Build the tiny model ``name`` (one of :data:`MODEL_NAMES`) with weights from ``seed``."""
+    return MODEL_FACTORIES[name](seed=seed, **kwargs)
+
+
+# ------------------------------------------------------------------------ data sets
+class RandomTokenDataset(Dataset):
+    """Random token ids with an attention mask and a label that depends on the tokens."""
+
+    def __init__(
+        self,
+        size: int = 32,
+        seq_len: int = SEQ_LEN,
+        vocab_size: int = VOCAB,
+        num_labels: int = NUM_LABELS,
+        seed: int = 0,
+    ) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.input_ids = torch.randint(2, vocab_size, (size, seq_len), generator=g)
+        lengths = torch.randint(seq_len // 2, seq_len + 1, (size,), generator=g)
+        self.attention_mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).long()
+        self.input_ids = self.input_ids * self.attention_mask  # padding id 0
+        self.labels = self.input_ids[:, 0] % num_labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {
+            "input_ids": self.input_ids[index],
+            "attention_mask": self.attention_mask[index],
+            "labels": self.labels[index],
+        }
+
+
+class RandomImageDataset(Dataset):
+    """Random images ``(3, img_size, img_size)`` with a label that depends on the image."""
+
+    def __init__(self, size: int = 32, img_size: int = IMG_SIZE, num_classes: int = NUM_CLASSES, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.labels = torch.randint(0, num_classes, (size,), generator=g)
+        self.images = torch.randn(size, 3, img_size, img_size, generator=g)
+        self.images[:, 0] += self.labels[:, None, None].float()
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.images[index], self.labels[index]
+
+
+class RandomVectorDataset(Dataset):
+    """Random vectors with a regression target that is a fixed function of the input."""
+
+    def __init__(self, size: int = 32, in_features: int = 8, out_features: int = 2, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(size, in_features, generator=g)
+        w = torch.randn(in_features, out_features, generator=g)
+        self.y = torch.tanh(self.x @ w)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[index], self.y[index]
+
+
+def make_loader(dataset: Dataset, batch_size: int = 8, shuffle: bool = False, seed: int = 0) -> DataLoader:
+    """A single-process DataLoader; with ``shuffle`` its order comes from ``seed``."""
+    generator = torch.Generator().manual_seed(seed) if shuffle else None
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=generator, num_workers=0)
+
+
+# ---------------------------------------------------------------- LightningModules
+class TinyBertClassifier(pl.LightningModule):
+    """An ordinary LightningModule around a tiny HF ``BertForSequenceClassification``."""
+
+    def __init__(self, seed: int = 0, lr: float = 1e-3, dropout: float = 0.1, num_labels: int = NUM_LABELS):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = tiny_bert(seed=seed, dropout=dropout, num_labels=num_labels)
+
+    def forward(self, batch: dict[str, torch.Tensor]):
+        return self.model(**batch)
+
+    def training_step(self, batch, batch_idx):
+        loss = self(batch).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        out = self(batch)
+        acc = (out.logits.argmax(-1) == batch["labels"]).float().mean()
+        self.log("val_loss", out.loss)
+        self.log("val_acc", acc)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+class TinyViTClassifier(pl.LightningModule):
+    """An ordinary LightningModule around a tiny timm ``vit_tiny_patch16_224``."""
+
+    def __init__(self, seed: int = 0, lr: float = 1e-3, dropout: float = 0.1, num_classes: int = NUM_CLASSES):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = tiny_timm_vit(seed=seed, dropout=dropout, num_classes=num_classes)
+        self.loss_fn = nn.CrossEntropyLoss()
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(images)
+
+    def training_step(self, batch, batch_idx):
+        images, labels = batch
+        loss = self.loss_fn(self(images), labels)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        images, labels = batch
+        logits = self(images)
+        self.log("val_loss", self.loss_fn(logits, labels))
+        self.log("val_acc", (logits.argmax(-1) == labels).float().mean())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+class TinySequentialRegressor(pl.LightningModule):
+    """An ordinary LightningModule around :func:`tiny_sequential` (MSE regression)."""
+
+    def __init__(
+        self,
+        seed: int = 0,
+        lr: float = 1e-2,
+        block_scales: list[float] | None = None,
+        num_blocks: int = LAYERS,
+        dropout: float = 0.1,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = tiny_sequential(seed=seed, num_blocks=num_blocks, block_scales=block_scales, dropout=dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+@dataclass(frozen=True)
+class TinyTask:
+    """A LightningModule factory and its matching data, for tests that run several tasks alike."""
+
+    name: str
+    module: Callable[..., pl.LightningModule]
+    dataset: Callable[..., Dataset]
+    blocks_path: str  # the block list's dotted path inside the LightningModule
+
+
+TASKS: dict[str, TinyTask] = {
+    "bert": TinyTask("bert", TinyBertClassifier, RandomTokenDataset, "model.bert.encoder.layer"),
+    "timm_vit": TinyTask("timm_vit", TinyViTClassifier, RandomImageDataset, "model.blocks"),
+    "sequential": TinyTask("sequential", TinySequentialRegressor, RandomVectorDataset, "model.blocks"),
+}
+
+
+def build_task(name: str, seed: int = 0, **module_kwargs) -> pl.LightningModule:
+    """Build the LightningModule of task ``name`` (``bert``, ``timm_vit``, ``sequential``) from ``seed``."""
+    return TASKS[name].module(seed=seed, **module_kwargs)
+
+
+def task_loader(name: str, size: int = 32, batch_size: int = 8, seed: int = 0, shuffle: bool = False) -> DataLoader:
+    """A DataLoader over the fixed-seed random data set of task ``name``."""
+    return make_loader(TASKS[name].dataset(size=size, seed=seed), batch_size=batch_size, shuffle=shuffle, seed=seed)

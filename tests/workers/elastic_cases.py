@@ -1,0 +1,55 @@
+"""The elastic run shared by the 4-process worker and the single-process reference."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from equivalence_cases import build_case_module
+from tiny_models import TASKS
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_pipetx import FreezeCallback
+
+EPOCHS = 3
+GLOBAL_BATCH = 8
+TRAIN_SIZE = 32
+
+
+def freeze_callback() -> FreezeCallback:
+    # The closed-form schedule: decisions that do not depend on float noise in gradient norms.
+    return FreezeCallback(alpha=1 / 2, signal="schedule")
+
+
+def build_module(model: str) -> pl.LightningModule:
+    return build_case_module({"model": model, "lr": 1e-3})
+
+
+def train_loader(model: str, batch_size: int = GLOBAL_BATCH, sampler=None) -> DataLoader:
+    dataset = TASKS[model].dataset(size=TRAIN_SIZE, seed=1)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=sampler is None, sampler=sampler)
+
+
+def val_loader(model: str) -> DataLoader:
+    return DataLoader(TASKS[model].dataset(size=8, seed=2), batch_size=4)
+
+
+def reference_run(model: str) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """One process, the same global batches and freeze decisions: final weights, frozen counts."""
+    module = build_module(model)
+    freeze = freeze_callback()
+    dataset = TASKS[model].dataset(size=TRAIN_SIZE, seed=1)
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=EPOCHS,
+        callbacks=[freeze],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(module, train_loader(model, sampler=sampler))
+    return module.state_dict(), freeze.frozen_blocks

@@ -1,0 +1,64 @@
+"""Train with FreezeCallback under an elastic pipeline; rank 0 saves weights and the layout per epoch.
+
+Usage: torchrun --nproc_per_node=4 elastic_worker.py OUT_DIR MODEL (bert | timm_vit)
+"""
+
+import json
+import os
+import sys
+
+import lightning.pytorch as pl
+import torch
+from elastic_cases import EPOCHS, build_module, freeze_callback, train_loader, val_loader
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lightning_pipetx import ElasticPipelineStrategy
+
+
+class LayoutRecorder(Callback):
+    """The layout each epoch trained on, and the frozen prefix it trained with."""
+
+    def __init__(self, freeze):
+        self.freeze = freeze
+        self.epochs = []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        layout = trainer.strategy.layout
+        batch = trainer.train_dataloader.batch_size
+        self.epochs.append([self.freeze.frozen_blocks, layout.pipeline_length, layout.replicas, batch])
+
+
+def main():
+    out_dir, model_name = sys.argv[1], sys.argv[2]
+    freeze = freeze_callback()
+    recorder = LayoutRecorder(freeze)
+    checkpoint = ModelCheckpoint(dirpath=out_dir, save_top_k=-1, every_n_epochs=1)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        strategy=ElasticPipelineStrategy(pipeline_length=4, num_microbatches=2),
+        max_epochs=EPOCHS,
+        callbacks=[freeze, recorder, checkpoint],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    module = build_module(model_name)
+    trainer.fit(module, train_loader(model_name), val_loader(model_name))
+    fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    metrics = trainer.validate(module, val_loader(model_name), verbose=False)[0]
+    if trainer.is_global_zero:
+        torch.save({"state": module.state_dict()}, os.path.join(out_dir, "final.pt"))
+        report = {
+            "epochs": recorder.epochs,
+            "metrics": fit_metrics,
+            "validate": metrics,
+            "checkpoints": sorted(f for f in os.listdir(out_dir) if f.endswith(".ckpt")),
+        }
+        with open(os.path.join(out_dir, "report.json"), "w") as f:
+            json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main()
