@@ -18,14 +18,12 @@ import argparse
 import json
 import os
 import resource
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from _launch import launch
 
 
 def build_module(args: argparse.Namespace):
@@ -74,7 +72,8 @@ def worker(args: argparse.Namespace) -> None:
         strategy, replicas = "auto", 1
     else:
         length = int(config.removeprefix("pipe_k"))
-        strategy = ElasticPipelineStrategy(pipeline_length=length, num_microbatches=args.microbatches)
+        microbatches = 1 if length == 1 else args.microbatches  # no pipeline, no reason to split
+        strategy = ElasticPipelineStrategy(pipeline_length=length, num_microbatches=microbatches)
         replicas = world // length
 
     class Timer(Callback):
@@ -125,23 +124,6 @@ def worker(args: argparse.Namespace) -> None:
     Path(args.result_dir, f"{config}_rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launch(config: str, nprocs: int, argv: list[str], result_dir: str) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    launcher = [sys.executable]
-    if config != "single":
-        launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={nprocs}", f"--master_port={_free_port()}"]
-    command = [*launcher, __file__, *argv, "--worker", config, "--result-dir", result_dir]
-    subprocess.run(command, env=env, check=True, capture_output=True, text=True)
-    return [json.loads(p.read_text()) for p in sorted(Path(result_dir).glob(f"{config}_rank*.json"))]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nprocs", type=int, default=2)
@@ -168,7 +150,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for config in ("ddp", "pipe_k1", pipe, "single"):
             print(f"running {config} ...", flush=True)
-            runs[config] = launch(config, args.nprocs, argv, tmp)
+            runs[config] = launch(__file__, config, 0 if config == "single" else args.nprocs, argv, tmp)
 
     def throughput(config: str) -> float:
         return min(r["samples_per_sec"] for r in runs[config])  # the slowest rank sets the pace

@@ -3,7 +3,7 @@
 import logging
 
 from lightning_pipetx.blocks import BlockListNotFoundError, BlockSplit, find_blocks
-from lightning_pipetx.callbacks import FreezeCallback
+from lightning_pipetx.callbacks import EpochReport, FreezeCallback
 from lightning_pipetx.strategy import ElasticPipelineStrategy, Layout
 
 __version__ = "0.1.0"
@@ -20,6 +20,7 @@ __all__ = [
     "BlockListNotFoundError",
     "BlockSplit",
     "ElasticPipelineStrategy",
+    "EpochReport",
     "FreezeCallback",
     "Layout",
     "find_blocks",

@@ -1,0 +1,33 @@
+"""Run a benchmark worker on N local processes (torchrun) and collect what each rank wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(script: str, config: str, nprocs: int, argv: list[str], result_dir: str) -> list[dict]:
+    """Run ``script --worker CONFIG`` on ``nprocs`` processes (one plain process for 0);
+    return the JSON results the ranks wrote as ``<result_dir>/<config>_rank<N>.json``."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "examples"), env.get("PYTHONPATH", "")])
+    launcher = [sys.executable]
+    if nprocs > 0:
+        launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={nprocs}", f"--master_port={free_port()}"]
+    command = [*launcher, script, *argv, "--worker", config, "--result-dir", result_dir]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{config} failed:\n{(proc.stdout + proc.stderr)[-6000:]}")
+    return [json.loads(p.read_text()) for p in sorted(Path(result_dir).glob(f"{config}_rank*.json"))]

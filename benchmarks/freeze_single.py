@@ -1,0 +1,223 @@
+"""Progressive freezing on one device: the same fine-tune with and without FreezeCallback.
+
+Trains the example's ViT (examples/image_classification.py) twice for the same number of
+epochs from the same seed, first without and then with ``FreezeCallback``, and reports per
+epoch the training wall time (validation excluded: it costs the same in both runs), the
+ratio frozen / unfrozen, and both final validation accuracies. A few throw-away batches
+run first so that neither run pays the one-off start-up costs. Process CPU time is
+reported next to wall time: on a shared CPU machine it is the steadier of the two. Speed is
+measured, never asserted. Example::
+
+    OMP_NUM_THREADS=1 python benchmarks/freeze_single.py --epochs 6 --data digits --device cpu
+    python benchmarks/freeze_single.py --device cuda --data synthetic --depth 12 --embed-dim 384 --num-heads 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_ROOT / "examples"), str(_ROOT)]
+
+import lightning  # noqa: E402
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from image_classification import ImageClassifier, ImageDataModule  # noqa: E402
+
+from lightning_pipetx import FreezeCallback  # noqa: E402
+from lightning_pipetx.callbacks.report import EpochReport  # noqa: E402
+
+
+class EpochTimer(pl.Callback):
+    """Per training epoch: wall time with and without the validation run at its end, and the
+    process CPU time without it (steadier than wall time on a shared machine)."""
+
+    def __init__(self) -> None:
+        self.epoch_seconds: list[float] = []
+        self.train_seconds: list[float] = []
+        self.train_cpu_seconds: list[float] = []
+        self._start = self._start_cpu = self._val_start = self._val_start_cpu = 0.0
+        self._val = self._val_cpu = 0.0
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _synchronize(pl_module)
+        self._start, self._start_cpu = time.perf_counter(), time.process_time()
+        self._val = self._val_cpu = 0.0
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _synchronize(pl_module)
+        self._val_start, self._val_start_cpu = time.perf_counter(), time.process_time()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _synchronize(pl_module)
+        self._val += time.perf_counter() - self._val_start
+        self._val_cpu += time.process_time() - self._val_start_cpu
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _synchronize(pl_module)
+        wall = time.perf_counter() - self._start
+        self.epoch_seconds.append(wall)
+        self.train_seconds.append(wall - self._val)
+        self.train_cpu_seconds.append(time.process_time() - self._start_cpu - self._val_cpu)
+
+
+def _synchronize(pl_module: pl.LightningModule) -> None:
+    if pl_module.device.type == "cuda":
+        torch.cuda.synchronize(pl_module.device)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--epochs", type=int, default=6, help="epochs of each run")
+    parser.add_argument("--data", choices=("digits", "synthetic"), default="digits")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--precision", default="32-true", help="Trainer precision, e.g. bf16-mixed")
+    parser.add_argument("--depth", type=int, default=6, help="Transformer blocks")
+    parser.add_argument("--embed-dim", type=int, default=128, help="token width")
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--img-size", type=int, default=32)
+    parser.add_argument("--patch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--train-repeats", type=int, default=4, help="passes over the training set per epoch")
+    parser.add_argument("--num-samples", type=int, default=2048, help="synthetic samples")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--alpha", type=float, default=1 / 3, help="FreezeCallback's alpha")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup-batches", type=int, default=5, help="throw-away batches before timing")
+    parser.add_argument("--out", default="results/freeze_single.json", help="JSON file for the figures")
+    return parser.parse_args(argv)
+
+
+def _build(args: argparse.Namespace) -> tuple[ImageClassifier, ImageDataModule]:
+    pl.seed_everything(args.seed, verbose=False)
+    model = ImageClassifier(
+        img_size=args.img_size,
+        patch_size=args.patch_size,
+        depth=args.depth,
+        embed_dim=args.embed_dim,
+        num_heads=args.num_heads,
+        lr=args.lr,
+    )
+    data = ImageDataModule(
+        data=args.data,
+        img_size=args.img_size,
+        batch_size=args.batch_size,
+        train_repeats=args.train_repeats,
+        num_samples=args.num_samples,
+        seed=args.seed,
+    )
+    return model, data
+
+
+def _trainer(args: argparse.Namespace, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator=args.device,
+        devices=1,
+        precision=args.precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        **kwargs,
+    )
+
+
+def warm_up(args: argparse.Namespace) -> None:
+    if args.warmup_batches > 0:
+        model, data = _build(args)
+        _trainer(args, [], max_epochs=1, limit_train_batches=args.warmup_batches, limit_val_batches=0).fit(model, data)
+
+
+def run(args: argparse.Namespace, freeze: bool) -> dict[str, Any]:
+    """One fit; returns per-epoch times, accuracies and frozen blocks."""
+    name = "frozen" if freeze else "unfrozen"
+    print(f"\n=== {name} ===", flush=True)
+    report = EpochReport(output_dir=str(Path(args.out).with_suffix("") / name))
+    timer = EpochTimer()
+    callbacks: list[pl.Callback] = [timer, report]
+    if freeze:
+        callbacks.append(FreezeCallback(alpha=args.alpha))
+    model, data = _build(args)
+    _trainer(args, callbacks, max_epochs=args.epochs).fit(model, data)
+    records = report.records
+    return {
+        "train_seconds": timer.train_seconds,
+        "train_cpu_seconds": timer.train_cpu_seconds,
+        "epoch_seconds": timer.epoch_seconds,
+        "val_acc": [r["val_acc"] for r in records],
+        "frozen_blocks": [int(r.get("frozen_blocks", 0)) for r in records],
+        "total_train_seconds": sum(timer.train_seconds),
+        "total_train_cpu_seconds": sum(timer.train_cpu_seconds),
+        "final_val_acc": records[-1]["val_acc"],
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    warm_up(args)
+    unfrozen = run(args, freeze=False)
+    frozen = run(args, freeze=True)
+
+    ratios = [f / u for f, u in zip(frozen["train_seconds"], unfrozen["train_seconds"])]
+    total_ratio = frozen["total_train_seconds"] / unfrozen["total_train_seconds"]
+    cpu_ratios = [f / u for f, u in zip(frozen["train_cpu_seconds"], unfrozen["train_cpu_seconds"])]
+    cpu_total_ratio = frozen["total_train_cpu_seconds"] / unfrozen["total_train_cpu_seconds"]
+    result = {
+        "command": " ".join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]),
+        "config": vars(args),
+        "environment": {
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "torch_threads": torch.get_num_threads(),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+            "torch": torch.__version__,
+            "lightning": lightning.__version__,
+        },
+        "unfrozen": unfrozen,
+        "frozen": frozen,
+        "train_time_ratio_per_epoch": ratios,
+        "train_time_ratio_total": total_ratio,
+        "train_cpu_time_ratio_per_epoch": cpu_ratios,
+        "train_cpu_time_ratio_total": cpu_total_ratio,
+    }
+
+    print("\ntraining time per epoch (validation excluded), frozen / unfrozen")
+    print("epoch  frozen  unfrozen s  frozen s  ratio  | unfrozen cpu s  frozen cpu s  cpu ratio")
+    rows = zip(
+        range(len(ratios)),
+        frozen["frozen_blocks"],
+        unfrozen["train_seconds"],
+        frozen["train_seconds"],
+        ratios,
+        unfrozen["train_cpu_seconds"],
+        frozen["train_cpu_seconds"],
+        cpu_ratios,
+    )
+    for epoch, blocks, u, f, ratio, u_cpu, f_cpu, cpu_ratio in rows:
+        print(
+            f"{epoch:5d}  {blocks:6d}  {u:10.2f}  {f:8.2f}  {ratio:5.2f}  | {u_cpu:14.2f}  {f_cpu:12.2f}  {cpu_ratio:9.2f}"
+        )
+    print(
+        f"total  {'':6s}  {unfrozen['total_train_seconds']:10.2f}  {frozen['total_train_seconds']:8.2f}  "
+        f"{total_ratio:5.2f}  | {unfrozen['total_train_cpu_seconds']:14.2f}  "
+        f"{frozen['total_train_cpu_seconds']:12.2f}  {cpu_total_ratio:9.2f}"
+    )
+    print(f"speed-up (unfrozen / frozen training time): wall {1 / total_ratio:.2f}x, cpu {1 / cpu_total_ratio:.2f}x")
+    print(f"final val_acc: unfrozen {unfrozen['final_val_acc']:.4f}, frozen {frozen['final_val_acc']:.4f}")
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
