@@ -68,3 +68,23 @@ def test_transfers_send_each_new_block_once_to_each_rank_that_lacks_it():
     # Old: block i on rank 3 - i. New: blocks 0-2 on ranks 1 and 3, block 3 on ranks 0 and 2.
     assert moves == [(0, 3, 1), (1, 2, 1), (1, 2, 3), (2, 1, 3), (3, 0, 2)]
     assert transfers(new, new, 4) == []
+
+
+def test_a_free_frozen_prefix_compresses_four_stages_to_two_then_one():
+    # With the frozen prefix's output cached, frozen blocks cost nothing: the paper's rule
+    # (smallest K whose largest stage costs no more than at the start) gives 4 -> 2 -> 1.
+    costs = [1.0] * 4
+    lengths = [choose_plan(costs, frozen, 4, 4, frozen_time=0.0).layout.pipeline_length for frozen in (0, 2, 3)]
+    assert lengths == [4, 2, 1]
+    # Computed forward-only (a third of a block) the prefix keeps a second stage.
+    assert [choose_plan(costs, f, 4, 4).layout.pipeline_length for f in (0, 2, 3)] == [4, 2, 2]
+
+
+def test_the_throughput_model_overrides_the_paper_rule_within_memory():
+    costs = [2.0, 2.0, 4.0, 1.0, 1.0]  # at the start (4 stages) the largest stage costs 4, memory 4
+    # Three frozen blocks cost 8/3 forward-only. The paper's rule: one stage would cost 4.67 > 4,
+    # so 2 stages (2.67). But one stage needs 8/4 + 2 = 4 memory units, which fit, and four
+    # replicas without a bubble are predicted faster (4 / 4.67 against 2 * 4 / (5 * 2.67)).
+    plan = choose_plan(costs, 3, 4, 4)
+    assert plan.layout == Layout(1, 4) and plan.bounds == ((0, 5),)
+    assert plan.predicted_throughput > make_plan(costs, 3, 4, 2, None).predicted_throughput

@@ -1,16 +1,17 @@
 """AutoPipe: choose the pipeline length and the stage boundaries for a frozen prefix.
 
 Costs per block are relative compute times (parameter counts as the fallback). A frozen
-block runs forward only, so it costs a third of a trainable block; the frozen prefix
-always sits on the first stage, outside the pipeline's backward. Memory per block is
-counted as four units for a trainable block (weights, gradients, two Adam moments) and
-one for a frozen block.
+block runs forward only, so it costs ``frozen_time`` (a third) of a trainable block, or
+nothing when its output is cached; the frozen prefix always sits on the first stage,
+outside the pipeline's backward. Memory per block is counted as four units for a
+trainable block (weights, gradients, two Adam moments) and one for a frozen block.
 
-The pipeline length ``K`` is chosen among the divisors of the initial length ``K0`` (so
-the global batch splits evenly over the new replicas): the candidates whose largest stage
-needs no more memory than the largest stage at the start (the paper's rule), ranked by the
-throughput model ``replicas * M / ((M + K - 1) * largest_stage_time)``; when no candidate
-fits that bound, the longest pipeline that can be built.
+The pipeline length ``K`` is chosen among the divisors of the initial length ``K0`` (so the
+global batch splits evenly over the new replicas). The paper's rule takes the smallest
+``K`` whose largest stage costs no more than the largest stage at the start (the longest
+buildable pipeline when none does); the throughput model
+``replicas * M / ((M + K - 1) * largest_stage_time)`` replaces that choice by a faster one
+whose largest stage needs no more memory than the largest stage at the start.
 """
 
 from __future__ import annotations
@@ -46,11 +47,13 @@ class Plan:
         return f"layout {self.layout}, {self.num_microbatches} micro-batches, blocks {list(self.bounds)}, stage costs [{times}]"
 
 
-def frozen_partition(costs: Sequence[float], frozen: int, num_stages: int) -> list[tuple[int, int]]:
+def frozen_partition(
+    costs: Sequence[float], frozen: int, num_stages: int, frozen_time: float = FROZEN_TIME
+) -> list[tuple[int, int]]:
     """Min-max partition in which blocks ``[0, frozen)`` all sit on the first stage."""
     if frozen <= 0:
         return partition(costs, num_stages)
-    items = [sum(costs[:frozen]) * FROZEN_TIME, *costs[frozen:]]
+    items = [sum(costs[:frozen]) * frozen_time, *costs[frozen:]]
     merged = partition(items, num_stages)
     # Item 0 is the frozen prefix; item j > 0 is block frozen + j - 1.
     return [(0 if s == 0 else s + frozen - 1, e + frozen - 1) for s, e in merged]
@@ -64,16 +67,21 @@ def _stage_values(costs: Sequence[float], frozen: int, bounds: Sequence[tuple[in
 
 
 def make_plan(
-    costs: Sequence[float], frozen: int, world_size: int, pipeline_length: int, num_microbatches: int | None
+    costs: Sequence[float],
+    frozen: int,
+    world_size: int,
+    pipeline_length: int,
+    num_microbatches: int | None,
+    frozen_time: float = FROZEN_TIME,
 ) -> Plan:
     """The plan for a given pipeline length (``num_microbatches=None``: 1 for K=1, else 2K)."""
-    bounds = tuple(frozen_partition(costs, frozen, pipeline_length))
+    bounds = tuple(frozen_partition(costs, frozen, pipeline_length, frozen_time))
     m = num_microbatches or (1 if pipeline_length == 1 else 2 * pipeline_length)
     return Plan(
         Layout.for_world(world_size, pipeline_length),
         m,
         bounds,
-        _stage_values(costs, frozen, bounds, FROZEN_TIME),
+        _stage_values(costs, frozen, bounds, frozen_time),
         _stage_values(costs, frozen, bounds, FROZEN_MEMORY),
     )
 
@@ -90,12 +98,15 @@ def choose_plan(
     initial_length: int,
     num_microbatches: int | None = None,
     accept: Callable[[Layout], bool] | None = None,
+    frozen_time: float = FROZEN_TIME,
 ) -> Plan:
     """The plan for ``frozen`` blocks, starting from ``initial_length`` stages with none frozen.
 
-    ``accept`` can rule layouts out (for example those the global batch does not split over).
+    ``accept`` can rule layouts out (for example those the global batch does not split over);
+    ``frozen_time`` is a frozen block's cost relative to a trainable one (0 when cached).
     """
-    memory_bound = max(make_plan(costs, 0, world_size, initial_length, num_microbatches).stage_memory)
+    start = make_plan(costs, 0, world_size, initial_length, num_microbatches)
+    time_bound, memory_bound = max(start.stage_times) * (1 + 1e-9), max(start.stage_memory) * (1 + 1e-9)
     feasible = [
         k
         for k in divisors(initial_length)
@@ -108,11 +119,13 @@ def choose_plan(
             f"and no such pipeline length divides {initial_length} with a global batch that splits over its "
             f"replicas: choose a global batch divisible by {world_size}, or pass keep_global_batch=False."
         )
-    plans = [make_plan(costs, frozen, world_size, k, num_microbatches) for k in feasible]
-    fitting = [p for p in plans if max(p.stage_memory) <= memory_bound * (1 + 1e-9)]
-    if not fitting:
-        return plans[-1]
-    return max(fitting, key=lambda p: (p.predicted_throughput, -p.layout.pipeline_length))
+    plans = [make_plan(costs, frozen, world_size, k, num_microbatches, frozen_time) for k in feasible]
+    papers = next((p for p in plans if max(p.stage_times) <= time_bound), plans[-1])
+    fitting = [p for p in plans if max(p.stage_memory) <= memory_bound]
+    faster = max(fitting, key=lambda p: (p.predicted_throughput, -p.layout.pipeline_length), default=None)
+    if faster is not None and faster.predicted_throughput > papers.predicted_throughput:
+        return faster
+    return papers
 
 
 def block_costs(split: BlockSplit) -> list[float]:
