@@ -40,6 +40,17 @@ def test_training_continues_as_in_one_process(elastic_run):
         torch.testing.assert_close(result[key], expected, atol=1e-5, rtol=1e-4, msg=key)
 
 
+def test_elastic_false_keeps_the_layout_while_freezing(tmp_path):
+    run_workers("elastic_worker.py", 4, str(tmp_path), "bert", "static")
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [e[0] for e in report["epochs"]] == [0, 2, 3]  # blocks froze
+    assert {(e[1], e[2], e[3]) for e in report["epochs"]} == {(4, 1, 8)}  # the layout did not move
+    result = torch.load(tmp_path / "final.pt", weights_only=True)["state"]
+    state, _ = reference_run("bert")
+    for key, expected in state.items():
+        torch.testing.assert_close(result[key], expected, atol=1e-5, rtol=1e-4, msg=key)
+
+
 def test_fit_validate_and_checkpoints_complete(elastic_run):
     _, _, report = elastic_run
     assert len(report["checkpoints"]) == EPOCHS

@@ -137,6 +137,7 @@ def test_schedules_run_each_microbatch_forward_then_backward(schedule, stages, m
         ({"num_microbatches": "many"}, "num_microbatches='many'"),
         ({"schedule": "zigzag"}, "schedule='zigzag'"),
         ({"cache": "sometimes"}, "cache='sometimes'"),
+        ({"profile_steps": -1}, "profile_steps=-1"),
     ],
 )
 def test_invalid_arguments_are_refused(kwargs, match):
@@ -183,3 +184,25 @@ def test_one_device_is_a_valid_layout():
     assert trainer.strategy.engine is None  # torn down, every weight back in place
     assert trainer.global_step == 2
     assert all(p.numel() > 0 for p in model.parameters())
+
+
+def test_profiled_forward_times_become_the_block_costs():
+    from lightning_pipetx import FreezeCallback
+
+    model = build_task("sequential", dropout=0.0)
+    strategy = ElasticPipelineStrategy(profile_steps=2)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_epochs=2,
+        callbacks=[FreezeCallback(signal="schedule")],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    param_counts = [float(sum(p.numel() for p in block.parameters())) for block in model.model.blocks]
+    trainer.fit(model, task_loader("sequential"))
+    assert len(strategy._costs) == 4 and strategy._costs != param_counts
+    assert all(0 < seconds < 1 for seconds in strategy._costs)  # seconds per forward, not parameter counts

@@ -57,6 +57,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         elastic: compress the pipeline and add replicas as blocks freeze.
         keep_global_batch: keep the global batch constant across layout changes.
         cache: cache the frozen prefix's output (``"auto"``, True or False).
+        profile_steps: training steps (after one warm-up step) whose per-block forward time
+            becomes the cost model at the first freeze; 0 keeps parameter counts.
         **kwargs: DDPStrategy's arguments (``process_group_backend``, ``timeout``,
             ``start_method``, ``cluster_environment``, ...).
 
@@ -75,12 +77,15 @@ class ElasticPipelineStrategy(DDPStrategy):
         elastic: bool = True,
         keep_global_batch: bool = True,
         cache: bool | str = "auto",
+        profile_steps: int = 3,
         **kwargs: Any,
     ) -> None:
         _positive_or_auto("pipeline_length", pipeline_length)
         _positive_or_auto("num_microbatches", num_microbatches)
         if schedule not in SCHEDULES:
             raise ValueError(f"ElasticPipelineStrategy(schedule={schedule!r}): choose one of {SCHEDULES}.")
+        if not isinstance(profile_steps, int) or isinstance(profile_steps, bool) or profile_steps < 0:
+            raise ValueError(f"ElasticPipelineStrategy(profile_steps={profile_steps!r}): use a whole number >= 0.")
         if cache not in ("auto", True, False):
             raise ValueError(f"ElasticPipelineStrategy(cache={cache!r}): use 'auto', True or False.")
         super().__init__(**kwargs)
@@ -91,6 +96,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self.elastic = elastic
         self.keep_global_batch = keep_global_batch
         self.cache = cache
+        self.profile_steps = profile_steps
         self.engine: PipelineEngine | None = None
         self._split: BlockSplit | None = None
         self._sync_grads = True
@@ -133,8 +139,8 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def _plan(self, frozen: int) -> Plan:
         microbatches = None if self.num_microbatches == "auto" else self.num_microbatches
-        if not self.elastic:
-            return make_plan(self._costs, frozen, self.world_size, self._length0, microbatches)
+        if frozen == 0:
+            return make_plan(self._costs, 0, self.world_size, self._length0, microbatches)
         accept = None
         if self.keep_global_batch:
             accept = lambda layout: global_batch_fits(self._batch0, layout.replicas)  # noqa: E731
@@ -164,7 +170,9 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._length0 = self._initial_length(self._split)
         self._store = ParamStore(self._split.blocks)
         self._frozen = 0
+        self._profiled = self.profile_steps == 0
         self.engine = self._build_engine(self._plan(0))
+        self.engine.profile_steps = self.profile_steps
         self._patch_gradient_clipping()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -195,6 +203,15 @@ class ElasticPipelineStrategy(DDPStrategy):
         when the plan changed, moves to it before the next epoch's dataloaders are built.
         """
         engine = self._require_engine()
+        if not self.elastic:
+            return  # the ablation: blocks freeze in place, the layout stays
+        if not self._profiled:
+            self._profiled = True
+            seconds = engine.profiled_block_seconds()
+            if seconds is not None:
+                self._costs = seconds
+                if self.is_global_zero:
+                    log.info("pipetx: block costs from profiled forward time: %s", [f"{s:.2e}" for s in seconds])
         previous, self._frozen = self._frozen, frozen_blocks
         new_plan = self._plan(frozen_blocks)
         if new_plan == engine.plan:

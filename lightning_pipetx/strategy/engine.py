@@ -69,6 +69,8 @@ class PipelineEngine:
         )
         self.recorder = LogRecorder(module)
         self._fresh_grads: list[torch.Tensor | None] | None = None
+        self.profile_steps = 0  # training steps still to time, after one warm-up step
+        self._steps = 0
 
     # --------------------------------------------------------------- steps
     def _microbatches(self, batch: Any) -> tuple[list[Any], list[int]]:
@@ -93,8 +95,11 @@ class PipelineEngine:
         earlier = [p.grad for p in params]
         for p in params:
             p.grad = None
+        self.hooks.timer.active = 0 < self._steps <= self.profile_steps
+        self._steps += 1
         with self.recorder.capture():
             outputs = self.runner.train(microbatches, self._step_fn(step, args, kwargs, sizes), weights, self.schedule)
+        self.hooks.timer.active = False
         self._fresh_grads = [p.grad for p in params]
         for p, grad in zip(params, earlier):
             p.grad = grad
@@ -131,6 +136,14 @@ class PipelineEngine:
         calls, loss = message[0]
         replay(self.module, calls, self.device)
         return loss
+
+    def profiled_block_seconds(self) -> list[float] | None:
+        """Mean forward seconds per block over the profiled steps, agreed by every rank;
+        None unless every block was timed."""
+        seconds = torch.tensor(self.hooks.timer.mean_seconds(), dtype=torch.float64, device=self.device)
+        if self.layout.world_size > 1:
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        return seconds.tolist() if bool((seconds > 0).all()) else None
 
     # ------------------------------------------------------------ gradients
     def install_grads(self, sync: bool) -> None:

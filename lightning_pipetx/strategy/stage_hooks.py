@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +52,32 @@ def pack_block_output(hidden: torch.Tensor, tuple_len: int) -> Any:
     return hidden if tuple_len == 0 else (hidden,) + (None,) * (tuple_len - 1)
 
 
+class BlockTimer:
+    """Forward time of each block this rank runs, while :attr:`active`."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.active = False
+        self.seconds = [0.0] * num_blocks
+        self.calls = [0] * num_blocks
+
+    def run(self, index: int, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        if not self.active:
+            return fn(*args, **kwargs)
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        output = fn(*args, **kwargs)
+        if cuda:
+            torch.cuda.synchronize()
+        self.seconds[index] += time.perf_counter() - start
+        self.calls[index] += 1
+        return output
+
+    def mean_seconds(self) -> list[float]:
+        return [s / c if c else 0.0 for s, c in zip(self.seconds, self.calls)]
+
+
 class StageHooks:
     """Installs per-block forward overrides for the stage ``[start, end)`` of ``blocks``."""
 
@@ -59,6 +86,7 @@ class StageHooks:
         self.start, self.end = start, end
         self.is_last_stage = is_last_stage
         self.incoming: Activation | None = None
+        self.timer = BlockTimer(len(blocks))
         self._saved: dict[int, Any] = {}
 
     def install(self) -> None:
@@ -86,7 +114,7 @@ class StageHooks:
             )
         if index == self.start and self.start > 0:
             args, kwargs = _replace_first_input(args, kwargs, first_arg, self._incoming().tensor)
-        output = original(*args, **kwargs)
+        output = self.timer.run(index, original, *args, **kwargs)
         if index == self.end - 1 and not self.is_last_stage:
             raise StageExit(*unpack_block_output(output))
         return output

@@ -1,6 +1,7 @@
 """Train with FreezeCallback under an elastic pipeline; rank 0 saves weights and the layout per epoch.
 
-Usage: torchrun --nproc_per_node=4 elastic_worker.py OUT_DIR MODEL (bert | timm_vit)
+Usage: torchrun --nproc_per_node=4 elastic_worker.py OUT_DIR MODEL (bert | timm_vit) [static]
+("static": elastic=False, the layout stays while blocks freeze)
 """
 
 import json
@@ -30,13 +31,15 @@ class LayoutRecorder(Callback):
 
 def main():
     out_dir, model_name = sys.argv[1], sys.argv[2]
+    elastic = sys.argv[3:] != ["static"]
     freeze = freeze_callback()
     recorder = LayoutRecorder(freeze)
     checkpoint = ModelCheckpoint(dirpath=out_dir, save_top_k=-1, every_n_epochs=1)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
-        strategy=ElasticPipelineStrategy(pipeline_length=4, num_microbatches=2),
+        # Parameter counts as costs (no profiling): the test predicts the plan from them.
+        strategy=ElasticPipelineStrategy(pipeline_length=4, num_microbatches=2, profile_steps=0, elastic=elastic),
         max_epochs=EPOCHS,
         callbacks=[freeze, recorder, checkpoint],
         logger=False,
