@@ -21,13 +21,14 @@ from torch.utils.data import DataLoader
 
 from lightning_pipetx.blocks import BlockSplit, find_blocks
 from lightning_pipetx.strategy.autopipe import Plan, block_costs, choose_plan, make_plan
+from lightning_pipetx.strategy.checkpoint import atomic_save, gather_optimizer_state
 from lightning_pipetx.strategy.dataloading import global_batch_fits, rebatch
 from lightning_pipetx.strategy.engine import PipelineEngine
 from lightning_pipetx.strategy.param_store import ParamStore
 from lightning_pipetx.strategy.predictions import gather_predictions
 from lightning_pipetx.strategy.stage_runner import SCHEDULES
 from lightning_pipetx.strategy.topology import Layout, divisors
-from lightning_pipetx.strategy.transition import move_blocks
+from lightning_pipetx.strategy.transition import drop_optimizer_state, move_blocks
 
 log = logging.getLogger("lightning_pipetx")
 
@@ -170,6 +171,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._length0 = self._initial_length(self._split)
         self._store = ParamStore(self._split.blocks)
         self._frozen = 0
+        self._batch0 = None
         self._profiled = self.profile_steps == 0
         self.engine = self._build_engine(self._plan(0))
         self.engine.profile_steps = self.profile_steps
@@ -341,6 +343,25 @@ class ElasticPipelineStrategy(DDPStrategy):
         return bool(flag == self.world_size) if all else bool(flag)
 
     # --------------------------------------------------------- checkpoint
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's state as one process would hold it, gathered on global rank 0."""
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
+        engine = self._require_engine()
+        return gather_optimizer_state(optimizer, self._split.blocks, engine.plan, self.global_rank, self.root_device)
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        # A consolidated checkpoint holds every block's state: keep this rank's blocks only.
+        drop_optimizer_state(self._split.blocks, self.optimizers, self._require_engine().block_range)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("ElasticPipelineStrategy.save_checkpoint takes no storage_options")
+        if self.is_global_zero:
+            plan = self._require_engine().plan
+            checkpoint["pipetx"] = {"layout": str(plan.layout), "bounds": plan.bounds, "frozen_blocks": self._frozen}
+            atomic_save(self.checkpoint_io, checkpoint, filepath)
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The plain module's ``state_dict``, with every block gathered on global rank 0."""
         engine = self._require_engine()

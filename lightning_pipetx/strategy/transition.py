@@ -93,14 +93,14 @@ class BlockMover:
                 state[key] = received.to(param.device if on_param_device else torch.device("cpu"))
             optimizer.state[param] = state
 
-    def drop_state(self, keep: range) -> None:
-        """Forget the optimizer state of every block outside ``keep``."""
-        for index, block in enumerate(self.blocks):
-            if index not in keep:
-                for param in block.parameters():
-                    optimizer = self._optimizer(param)
-                    if optimizer is not None:
-                        optimizer.state.pop(param, None)
+
+def drop_optimizer_state(blocks: nn.Module, optimizers: list[Optimizer], keep: range) -> None:
+    """Forget the optimizer state of every block outside ``keep``."""
+    for index, block in enumerate(blocks):
+        if index not in keep:
+            for param in block.parameters():
+                for optimizer in optimizers:
+                    optimizer.state.pop(param, None)
 
 
 def move_blocks(
@@ -124,5 +124,5 @@ def move_blocks(
     start, end = new.bounds[new.layout.coords(rank)[1]]
     keep = range(start, end)
     store.release(keep)
-    mover.drop_state(keep)
+    drop_optimizer_state(blocks, optimizers, keep)
     return received

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
-import torch
 from equivalence_cases import build_case_module
 from tiny_models import TASKS
 from torch.utils.data import DataLoader, DistributedSampler
@@ -33,23 +32,36 @@ def val_loader(model: str) -> DataLoader:
     return DataLoader(TASKS[model].dataset(size=8, seed=2), batch_size=4)
 
 
-def reference_run(model: str) -> tuple[dict[str, torch.Tensor], list[int]]:
-    """One process, the same global batches and freeze decisions: final weights, frozen counts."""
+def reference_run(model: str, epochs: int = EPOCHS, checkpoint_dir: str | None = None) -> dict:
+    """One process, the same global batches and freeze decisions.
+
+    Returns the final weights, optimizer state and frozen count; with ``checkpoint_dir``,
+    also writes a checkpoint there at the end of every epoch.
+    """
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
     module = build_module(model)
     freeze = freeze_callback()
     dataset = TASKS[model].dataset(size=TRAIN_SIZE, seed=1)
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+    callbacks = [freeze]
+    if checkpoint_dir is not None:
+        callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, save_top_k=-1, every_n_epochs=1))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
-        max_epochs=EPOCHS,
-        callbacks=[freeze],
+        max_epochs=epochs,
+        callbacks=callbacks,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=checkpoint_dir is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
     )
     trainer.fit(module, train_loader(model, sampler=sampler))
-    return module.state_dict(), freeze.frozen_blocks
+    return {
+        "state": module.state_dict(),
+        "optimizer": trainer.optimizers[0].state_dict(),
+        "frozen": freeze.frozen_blocks,
+    }

@@ -1,7 +1,7 @@
 """Train with FreezeCallback under an elastic pipeline; rank 0 saves weights and the layout per epoch.
 
-Usage: torchrun --nproc_per_node=4 elastic_worker.py OUT_DIR MODEL (bert | timm_vit) [static]
-("static": elastic=False, the layout stays while blocks freeze)
+Usage: torchrun --nproc_per_node=N elastic_worker.py OUT_DIR MODEL (bert | timm_vit) [static | resume CKPT]
+("static": elastic=False, the layout stays while blocks freeze; "resume": fit from CKPT)
 """
 
 import json
@@ -32,14 +32,18 @@ class LayoutRecorder(Callback):
 def main():
     out_dir, model_name = sys.argv[1], sys.argv[2]
     elastic = sys.argv[3:] != ["static"]
+    ckpt_path = sys.argv[4] if sys.argv[3:4] == ["resume"] else None
+    world = int(os.environ["WORLD_SIZE"])
     freeze = freeze_callback()
     recorder = LayoutRecorder(freeze)
     checkpoint = ModelCheckpoint(dirpath=out_dir, save_top_k=-1, every_n_epochs=1)
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=int(os.environ["WORLD_SIZE"]),
+        devices=world,
         # Parameter counts as costs (no profiling): the test predicts the plan from them.
-        strategy=ElasticPipelineStrategy(pipeline_length=4, num_microbatches=2, profile_steps=0, elastic=elastic),
+        strategy=ElasticPipelineStrategy(
+            pipeline_length=min(4, world), num_microbatches=2, profile_steps=0, elastic=elastic
+        ),
         max_epochs=EPOCHS,
         callbacks=[freeze, recorder, checkpoint],
         logger=False,
@@ -48,7 +52,7 @@ def main():
         num_sanity_val_steps=0,
     )
     module = build_module(model_name)
-    trainer.fit(module, train_loader(model_name), val_loader(model_name))
+    trainer.fit(module, train_loader(model_name), val_loader(model_name), ckpt_path=ckpt_path)
     fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     metrics = trainer.validate(module, val_loader(model_name), verbose=False)[0]
     if trainer.is_global_zero:

@@ -1,0 +1,76 @@
+"""Consolidated checkpoints written under the elastic strategy: they load on one device,
+hold the optimizer state of a single-process run, and resume on the same or another number
+of processes, as do checkpoints of a plain single-device run."""
+
+import json
+
+import pytest
+import torch
+from distributed import run_workers
+from elastic_cases import build_module, reference_run
+from lightning.fabric.plugins import TorchCheckpointIO
+
+from lightning_pipetx.strategy.checkpoint import atomic_save
+
+
+def _assert_same_weights(actual, expected):
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value, atol=1e-5, rtol=1e-4, msg=key)
+
+
+@pytest.fixture(scope="module")
+def bert_run(tmp_path_factory):
+    """4 processes, 4x1 -> 2x2 after the first freeze; a checkpoint after every epoch."""
+    out = tmp_path_factory.mktemp("elastic_ckpt")
+    run_workers("elastic_worker.py", 4, str(out), "bert")
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_run("bert")
+
+
+def test_checkpoint_loads_on_one_device_without_the_strategy(bert_run):
+    checkpoint = bert_run / "epoch=2-step=12.ckpt"
+    model = type(build_module("bert")).load_from_checkpoint(checkpoint, map_location="cpu")
+    final = torch.load(bert_run / "final.pt", weights_only=True)["state"]
+    _assert_same_weights(model.state_dict(), final)
+    assert torch.load(checkpoint, weights_only=False)["pipetx"]["layout"] == "2x2"
+
+
+def test_checkpoint_holds_the_optimizer_state_of_one_process(bert_run, reference):
+    saved = torch.load(bert_run / "epoch=2-step=12.ckpt", weights_only=False)["optimizer_states"][0]
+    expected = reference["optimizer"]
+    assert saved["state"].keys() == expected["state"].keys()  # every trainable parameter, same numbering
+    for index, state in expected["state"].items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(saved["state"][index][key], state[key], atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("nprocs", [4, 2])
+def test_resume_continues_like_the_uninterrupted_run(bert_run, nprocs, tmp_path):
+    # The epoch-1 checkpoint was written before that epoch's freeze decision.
+    run_workers("elastic_worker.py", nprocs, str(tmp_path), "bert", "resume", str(bert_run / "epoch=1-step=8.ckpt"))
+    resumed = torch.load(tmp_path / "final.pt", weights_only=True)["state"]
+    _assert_same_weights(resumed, torch.load(bert_run / "final.pt", weights_only=True)["state"])
+    layouts = [tuple(e[1:3]) for e in json.loads((tmp_path / "report.json").read_text())["epochs"]]
+    assert layouts == ([(2, 2)] if nprocs == 4 else [(1, 2)])  # re-planned for the world it resumed on
+
+
+def test_a_single_device_checkpoint_resumes_under_the_strategy(reference, tmp_path):
+    reference_run("bert", epochs=2, checkpoint_dir=str(tmp_path / "single"))
+    run_workers(
+        "elastic_worker.py", 2, str(tmp_path), "bert", "resume", str(tmp_path / "single" / "epoch=1-step=8.ckpt")
+    )
+    _assert_same_weights(torch.load(tmp_path / "final.pt", weights_only=True)["state"], reference["state"])
+
+
+def test_a_failed_write_leaves_the_previous_checkpoint_whole(tmp_path):
+    path = tmp_path / "last.ckpt"
+    atomic_save(TorchCheckpointIO(), {"weights": torch.ones(3)}, path)
+    with pytest.raises(Exception):  # noqa: B017 - whatever pickling raises
+        atomic_save(TorchCheckpointIO(), {"weights": torch.zeros(3), "unpicklable": lambda: None}, path)
+    assert torch.equal(torch.load(path, weights_only=True)["weights"], torch.ones(3))
+    assert list(tmp_path.iterdir()) == [path]
