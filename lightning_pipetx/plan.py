@@ -3,7 +3,8 @@
 Builds the model's architecture on the ``meta`` device (no weights are allocated or
 downloaded), finds its block list, costs each block by its parameter count, and replays the
 closed-form freeze schedule ``F(T) = ceil(L * (1 - (1 - alpha) ** T))`` (capped at
-``L - min_active_blocks``) through the same planner the strategy uses::
+``L - min_active_blocks``) through the same planner the strategy uses (``--cached``: the
+frozen prefix costs nothing, as with AutoCache; otherwise a third of its blocks)::
 
     python -m lightning_pipetx.plan --model bert-base --devices 8
     python -m lightning_pipetx.plan --model vit_base_patch16_224 --devices 16 --json
@@ -26,21 +27,19 @@ from torch import nn
 
 from lightning_pipetx.blocks import find_blocks
 from lightning_pipetx.callbacks.freeze_rule import schedule_frozen
-from lightning_pipetx.strategy.autopipe import Plan, block_costs, choose_plan, make_plan
+from lightning_pipetx.strategy.autopipe import FROZEN_TIME, Plan, block_costs, choose_plan, make_plan
 from lightning_pipetx.strategy.dataloading import global_batch_fits
 from lightning_pipetx.strategy.topology import divisors
 
-PRESETS = {
-    "bert-base": ("BertConfig", {}),
-    "bert-large": ("BertConfig", dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)),
-    "vit-b16": ("ViTConfig", {}),
-    "gpt2": ("GPT2Config", {}),
-}
-_MAX_DECISIONS = 100_000
+_BERT_LARGE = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
+PRESETS = {"bert-base": ("BertConfig", {}), "bert-large": ("BertConfig", _BERT_LARGE)}
+PRESETS.update({"vit-b16": ("ViTConfig", {}), "gpt2": ("GPT2Config", {})})
+_NOTES = {"transition": "transition", "repartition": "re-partition, same layout", "none": "same layout and stages"}
 
 
 def build_model(name: str) -> nn.Module:
     """A preset (transformers config) or a timm model, with weights on the ``meta`` device."""
+    unknown = f"unknown model {name!r}: use one of {', '.join(PRESETS)} or a timm model name"
     with torch.device("meta"):
         if name in PRESETS:
             import transformers
@@ -49,20 +48,18 @@ def build_model(name: str) -> nn.Module:
             return transformers.AutoModel.from_config(getattr(transformers, config_name)(**overrides))
         try:
             import timm
-        except ImportError:
-            timm = None
-        if timm is None or not timm.is_model(name):
-            where = "a timm model name" if timm is not None else "a timm model name (pip install timm)"
-            raise ValueError(f"unknown model {name!r}: use one of {', '.join(PRESETS)} or {where}")
+        except ImportError as error:
+            raise ValueError(f"{unknown} (pip install timm)") from error
+        if not timm.is_model(name):
+            raise ValueError(unknown)
         return timm.create_model(name, pretrained=False)
 
 
 def freeze_steps(num_blocks: int, alpha: float, min_active_blocks: int) -> list[tuple[int, int]]:
-    """``(decision, frozen)`` for each decision that freezes more blocks, up to the cap."""
-    cap, frozen, steps = max(0, num_blocks - min_active_blocks), 0, []
-    for decision in range(1, _MAX_DECISIONS):
-        if frozen >= cap:
-            break
+    """``(decision, frozen)`` for each decision of the schedule that freezes more blocks, up to the cap."""
+    cap, steps, frozen, decision = num_blocks - min_active_blocks, [], 0, 0
+    while frozen < cap:
+        decision += 1
         target = min(schedule_frozen(decision, num_blocks, alpha), cap)
         if target > frozen:
             frozen = target
@@ -87,9 +84,7 @@ def plan_dict(plan: Plan, start: Plan) -> dict[str, Any]:
 
 def change(before: Plan, after: Plan) -> str:
     """What moving from ``before`` to ``after`` takes."""
-    if before.layout != after.layout:
-        return "transition"
-    return "repartition" if before.bounds != after.bounds else "none"
+    return "transition" if before.layout != after.layout else "repartition" if before.bounds != after.bounds else "none"
 
 
 def dry_run(
@@ -100,6 +95,7 @@ def dry_run(
     min_active_blocks: int = 1,
     microbatches: int | None = None,
     batch_size: int | None = None,
+    cached: bool = False,
 ) -> dict[str, Any]:
     """The initial plan and the plan after each freeze step, as plain data."""
     split = find_blocks(build_model(model))
@@ -110,11 +106,12 @@ def dry_run(
     if batch_size is not None:  # keep_global_batch: the global batch must split over the replicas
         batch0 = (batch_size, devices // pipeline_length)
         accept = lambda layout: global_batch_fits(batch0, layout.replicas)  # noqa: E731
-    start = make_plan(costs, 0, devices, pipeline_length, microbatches)
+    start, frozen_time = make_plan(costs, 0, devices, pipeline_length, microbatches), 0.0 if cached else FROZEN_TIME
     steps, previous = [], start
     for decision, frozen in freeze_steps(num_blocks, alpha, min_active_blocks):
-        plan = choose_plan(costs, frozen, devices, pipeline_length, microbatches, accept)
-        steps.append({"decision": decision, "frozen": frozen, "change": change(previous, plan), **plan_dict(plan, start)})
+        plan = choose_plan(costs, frozen, devices, pipeline_length, microbatches, accept, frozen_time)
+        row = {"decision": decision, "frozen": frozen, "change": change(previous, plan)}
+        steps.append({**row, **plan_dict(plan, start)})
         previous = plan
     return {
         "model": model,
@@ -125,6 +122,7 @@ def dry_run(
         "devices": devices,
         "alpha": alpha,
         "min_active_blocks": min_active_blocks,
+        "cached": cached,
         "initial": plan_dict(start, start),
         "steps": steps,
         "transitions": sum(step["change"] == "transition" for step in steps),
@@ -144,15 +142,15 @@ def format_report(result: dict[str, Any]) -> str:
         f"model {result['model']} ({result['model_class']}): {result['num_blocks']} blocks at {result['blocks_path']!r}, "
         f"{sum(result['block_costs']) / 1e6:.1f} M parameters in blocks",
         f"{result['devices']} devices, alpha={result['alpha']:.3g}, min_active_blocks={result['min_active_blocks']}; "
-        f"costs are parameter counts (a frozen block counts a third), layout = pipeline_length x replicas",
+        f"costs are parameter counts (a frozen block counts {'nothing: cached' if result['cached'] else 'a third'}), "
+        "layout = pipeline_length x replicas",
         f"start     frozen  0: layout {initial['layout']}, {initial['num_microbatches']} micro-batches, {_stages(initial)}",
     ]
     for step in result["steps"]:
-        note = {"transition": "transition", "repartition": "re-partition, same layout", "none": "no change"}
         lines.append(
             f"decision {step['decision']} frozen {step['frozen']:2d}: layout {step['layout']}, "
             f"{step['num_microbatches']} micro-batches, {_stages(step)}, "
-            f"throughput x{step['relative_throughput']:.2f} [{note[step['change']]}]"
+            f"throughput x{step['relative_throughput']:.2f} [{_NOTES[step['change']]}]"
         )
     count = result["transitions"]
     lines.append(f"{count} layout transition{'s' if count != 1 else ''}" if count else "no layout transition")
@@ -160,50 +158,40 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
+    if int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text}")
-    return value
+    return int(text)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m lightning_pipetx.plan", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help=f"one of {', '.join(PRESETS)}, or a timm model name")
-    parser.add_argument("--devices", type=_positive, required=True, help="world size N")
-    parser.add_argument(
-        "--pipeline-length", type=_positive, help="initial stages K0 (default: largest divisor of N <= blocks)"
-    )
-    parser.add_argument("--alpha", type=float, default=1 / 3, help="freeze progression bound, in (0, 1]")
-    parser.add_argument("--min-active-blocks", type=int, default=1, help="blocks that never freeze")
-    parser.add_argument("--microbatches", type=_positive, help="micro-batches (default: 1 for K=1, else 2K)")
-    parser.add_argument("--batch-size", type=_positive, help="per-replica batch at the start; rules out uneven splits")
-    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    add = parser.add_argument
+    add("--model", required=True, help=f"one of {', '.join(PRESETS)}, or a timm model name")
+    add("--devices", type=_positive, required=True, help="world size N")
+    add("--pipeline-length", type=_positive, help="initial stages K0 (default: largest divisor of N <= L)")
+    add("--alpha", type=float, default=1 / 3, help="freeze progression bound, in [0.001, 1]")
+    add("--min-active-blocks", type=_positive, default=1, help="blocks that never freeze")
+    add("--microbatches", type=_positive, help="micro-batches (default: 1 for K=1, else 2K)")
+    add("--batch-size", type=_positive, help="per-replica batch at the start; rules out uneven splits")
+    add("--cached", action="store_true", help="cost the frozen prefix as cached by AutoCache (free)")
+    add("--json", action="store_true", help="print machine-readable JSON")
     args = parser.parse_args(argv)
-    if not 0 < args.alpha <= 1:
-        parser.error(f"--alpha must be in (0, 1], got {args.alpha}")
+    if not 0.001 <= args.alpha <= 1:
+        parser.error(f"--alpha must be in [0.001, 1], got {args.alpha}")
     if args.pipeline_length is not None and args.devices % args.pipeline_length:
         parser.error(f"--pipeline-length {args.pipeline_length} does not divide --devices {args.devices}")
-    if args.min_active_blocks < 0:
-        parser.error("--min-active-blocks must be >= 0")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    options = vars(parse_args(argv))
+    as_json = options.pop("json")
     try:
-        result = dry_run(
-            args.model,
-            args.devices,
-            args.pipeline_length,
-            args.alpha,
-            args.min_active_blocks,
-            args.microbatches,
-            args.batch_size,
-        )
+        result = dry_run(**options)
     except ValueError as error:  # unknown model, no block list, too many stages
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    print(json.dumps(result, indent=1) if as_json else format_report(result))
     return 0
 
 

@@ -57,3 +57,5 @@ def test_fit_validate_and_checkpoints_complete(elastic_run):
     assert "val_loss" in report["validate"]
     assert report["metrics"]["pipetx/pipeline_length"] == 2.0
     assert report["metrics"]["pipetx/replicas"] == 2.0
+    # AutoCache ran across the transition: depth-2 states cached under 2x2, read back at depth 3.
+    assert report["metrics"]["pipetx/cache_ram_bytes"] > 0

@@ -163,6 +163,10 @@ class FreezeCallback(Callback):
             samples = self._epoch_samples * _num_replicas(trainer)
             throughput = samples / self._epoch_seconds
             pl_module.log("pipetx/samples_per_sec", throughput, on_step=False, on_epoch=True, sync_dist=True)
+        cache_stats = getattr(trainer.strategy, "epoch_cache_stats", None)
+        if callable(cache_stats):  # ElasticPipelineStrategy's AutoCache; a collective call
+            for name, value in cache_stats().items():
+                pl_module.log(f"pipetx/{name}", value, on_step=False, on_epoch=True, sync_dist=True)
         if (trainer.current_epoch + 1) % self.freeze_interval == 0:
             self._decide(trainer)
 

@@ -42,6 +42,14 @@ class Plan:
         k, m = self.layout.pipeline_length, self.num_microbatches
         return self.layout.replicas * m / ((m + k - 1) * max(self.stage_times))
 
+    def same_layout(self, other: Plan) -> bool:
+        """Whether both plans put the same blocks on the same ranks (costs aside)."""
+        return (self.layout, self.bounds, self.num_microbatches) == (
+            other.layout,
+            other.bounds,
+            other.num_microbatches,
+        )
+
     def describe(self) -> str:
         times = ", ".join(f"{t:.3g}" for t in self.stage_times)
         return f"layout {self.layout}, {self.num_microbatches} micro-batches, blocks {list(self.bounds)}, stage costs [{times}]"

@@ -1,6 +1,11 @@
-"""Re-batch the training DataLoader when the number of data-parallel replicas changes."""
+"""The training DataLoader: re-batched when the number of replicas changes, and telling
+which dataset indices each batch holds (for AutoCache)."""
 
 from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
 
 from torch.utils.data import DataLoader
 
@@ -32,13 +37,17 @@ def rebatch(loader: DataLoader, batch0: tuple[int | None, int], replicas: int) -
     size = size0 * replicas0 // replicas
     if loader.batch_size == size:
         return loader
+    return DataLoader(
+        loader.dataset, batch_size=size, sampler=loader.sampler, drop_last=loader.drop_last, **_loading_kwargs(loader)
+    )
+
+
+def _loading_kwargs(loader: DataLoader) -> dict[str, Any]:
+    """How ``loader`` loads (workers, collation, pinning), to build a like one."""
     kwargs = {
-        "batch_size": size,
-        "sampler": loader.sampler,
         "num_workers": loader.num_workers,
         "collate_fn": loader.collate_fn,
         "pin_memory": loader.pin_memory,
-        "drop_last": loader.drop_last,
         "timeout": loader.timeout,
         "worker_init_fn": loader.worker_init_fn,
         "generator": loader.generator,
@@ -50,4 +59,38 @@ def rebatch(loader: DataLoader, batch0: tuple[int | None, int], replicas: int) -
             prefetch_factor=loader.prefetch_factor,
             persistent_workers=loader.persistent_workers,
         )
-    return DataLoader(loader.dataset, **kwargs)
+    return kwargs
+
+
+class RecordingBatchSampler:
+    """Wraps a batch sampler and remembers the dataset indices of every batch it yields.
+
+    Batches reach the training step in the order they were sampled, also with worker
+    processes and prefetching, so the step pops its batch's indices from :attr:`yielded`.
+    """
+
+    def __init__(self, batch_sampler: Any) -> None:
+        self.batch_sampler = batch_sampler
+        self.sampler = getattr(batch_sampler, "sampler", None)  # Lightning calls set_epoch on it
+        self.yielded: deque[list[int]] = deque()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.yielded.clear()
+        for indices in self.batch_sampler:
+            self.yielded.append(list(indices))
+            yield indices
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+
+def recording(loader: DataLoader) -> tuple[DataLoader, RecordingBatchSampler]:
+    """The same loader, its batch sampler now recording indices.
+
+    DataLoader forbids setting ``batch_sampler`` after construction; it is swapped in
+    place anyway so that the loader keeps every attribute (``batch_size`` included) the
+    user and Lightning see.
+    """
+    batch_sampler = RecordingBatchSampler(loader.batch_sampler)
+    object.__setattr__(loader, "batch_sampler", batch_sampler)
+    return loader, batch_sampler

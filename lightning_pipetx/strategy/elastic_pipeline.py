@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Generator
 from typing import Any
 
@@ -21,8 +22,9 @@ from torch.utils.data import DataLoader
 
 from lightning_pipetx.blocks import BlockSplit, find_blocks
 from lightning_pipetx.strategy.autopipe import Plan, block_costs, choose_plan, make_plan
+from lightning_pipetx.strategy.cache import ActivationCache, cache_directories
 from lightning_pipetx.strategy.checkpoint import atomic_save, gather_optimizer_state
-from lightning_pipetx.strategy.dataloading import global_batch_fits, rebatch
+from lightning_pipetx.strategy.dataloading import RecordingBatchSampler, global_batch_fits, rebatch, recording
 from lightning_pipetx.strategy.engine import PipelineEngine
 from lightning_pipetx.strategy.param_store import ParamStore
 from lightning_pipetx.strategy.predictions import gather_predictions
@@ -31,6 +33,14 @@ from lightning_pipetx.strategy.topology import Layout, divisors
 from lightning_pipetx.strategy.transition import drop_optimizer_state, move_blocks
 
 log = logging.getLogger("lightning_pipetx")
+
+
+def _has_len(dataset: Any) -> bool:
+    try:
+        len(dataset)
+    except TypeError:
+        return False
+    return True
 
 
 def _positive_or_auto(name: str, value: Any) -> None:
@@ -57,9 +67,13 @@ class ElasticPipelineStrategy(DDPStrategy):
         blocks: dotted path of the block list inside the LightningModule; found when None.
         elastic: compress the pipeline and add replicas as blocks freeze.
         keep_global_batch: keep the global batch constant across layout changes.
-        cache: cache the frozen prefix's output (``"auto"``, True or False).
+        cache: AutoCache, the frozen prefix's output cached per training sample: ``"auto"``
+            (on, switched off if inputs change between epochs), True (on regardless) or False.
         profile_steps: training steps (after one warm-up step) whose per-block forward time
             becomes the cost model at the first freeze; 0 keeps parameter counts.
+        cache_dir: AutoCache's disk folder, beyond ``cache_ram_bytes`` of RAM (``$TMPDIR``
+            by default).
+        cache_ram_bytes: host RAM (``/dev/shm``) AutoCache may use per node.
         **kwargs: DDPStrategy's arguments (``process_group_backend``, ``timeout``,
             ``start_method``, ``cluster_environment``, ...).
 
@@ -79,6 +93,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         keep_global_batch: bool = True,
         cache: bool | str = "auto",
         profile_steps: int = 3,
+        cache_dir: str | None = None,
+        cache_ram_bytes: int = 8 * 2**30,
         **kwargs: Any,
     ) -> None:
         _positive_or_auto("pipeline_length", pipeline_length)
@@ -107,6 +123,11 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._frozen = 0
         self._store: ParamStore | None = None
         self._batch0: tuple[int, int] | None = None  # the user's batch size, and the replicas it was for
+        self.cache_dir = cache_dir
+        self.cache_ram_bytes = cache_ram_bytes
+        self._cache: ActivationCache | None = None
+        self._recorder: RecordingBatchSampler | None = None
+        self._run_token = ""
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -173,6 +194,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._frozen = 0
         self._batch0 = None
         self._profiled = self.profile_steps == 0
+        self._run_token = self.broadcast(uuid.uuid4().hex[:12] if self.is_global_zero else None)
         self.engine = self._build_engine(self._plan(0))
         self.engine.profile_steps = self.profile_steps
         self._patch_gradient_clipping()
@@ -193,6 +215,7 @@ class ElasticPipelineStrategy(DDPStrategy):
             self.schedule,
             self._timeout,
         )
+        engine.cache, engine.frozen, engine.force_cache = self._cache, self._frozen, self.cache is True
         if self.is_global_zero:
             log.info("pipetx: %s (pipeline_length x replicas), %s schedule", plan.describe(), self.schedule)
         return engine
@@ -205,7 +228,11 @@ class ElasticPipelineStrategy(DDPStrategy):
         when the plan changed, moves to it before the next epoch's dataloaders are built.
         """
         engine = self._require_engine()
+        engine.frozen = frozen_blocks
+        if self._cache is not None:
+            self._cache.drop_below(frozen_blocks)
         if not self.elastic:
+            self._frozen = frozen_blocks
             return  # the ablation: blocks freeze in place, the layout stays
         if not self._profiled:
             self._profiled = True
@@ -216,7 +243,7 @@ class ElasticPipelineStrategy(DDPStrategy):
                     log.info("pipetx: block costs from profiled forward time: %s", [f"{s:.2e}" for s in seconds])
         previous, self._frozen = self._frozen, frozen_blocks
         new_plan = self._plan(frozen_blocks)
-        if new_plan == engine.plan:
+        if new_plan.same_layout(engine.plan):
             return
         started = time.perf_counter()
         old_plan = engine.plan
@@ -239,16 +266,39 @@ class ElasticPipelineStrategy(DDPStrategy):
             )
 
     def process_dataloader(self, dataloader: Any) -> Any:
-        """Keep the global batch constant when the number of replicas changes."""
+        """Keep the global batch constant when the number of replicas changes, and record
+        which samples each training batch holds (AutoCache)."""
         trainer = self.lightning_module.trainer
         if not trainer.training or self.engine is None or not isinstance(dataloader, DataLoader):
             return dataloader
         replicas = self.engine.layout.replicas
         if self._batch0 is None:
             self._batch0 = (dataloader.batch_size, replicas)
-        if not self.keep_global_batch:
+        if self.keep_global_batch:
+            dataloader = rebatch(dataloader, self._batch0, replicas)
+        if self.cache is False or not _has_len(dataloader.dataset):
             return dataloader
-        return rebatch(dataloader, self._batch0, replicas)
+        dataloader, self._recorder = recording(dataloader)
+        if self._cache is None:
+            ram, spill = cache_directories(self._run_token, self.node_rank, self.cache_dir)
+            self._cache = ActivationCache(ram, spill, len(dataloader.dataset), self.cache_ram_bytes)
+            self.engine.cache = self._cache
+        return dataloader
+
+    def epoch_cache_stats(self) -> dict[str, float]:
+        """AutoCache's hit rate and sizes since the last call, agreed by every rank (collective)."""
+        hits, lookups = self._cache.take_counts() if self._cache is not None else (0, 0)
+        ram = self._cache.ram_bytes if self._cache is not None else 0
+        disk = self._cache.disk_bytes if self._cache is not None else 0
+        counts = torch.tensor([hits, lookups], dtype=torch.float64, device=self.root_device)
+        sizes = torch.tensor([ram, disk], dtype=torch.float64, device=self.root_device)
+        if self.world_size > 1:
+            dist.all_reduce(counts)
+            dist.all_reduce(sizes, op=ReduceOp.MAX)  # ranks of a node share the same files
+        stats = {"cache_ram_bytes": float(sizes[0]), "cache_disk_bytes": float(sizes[1])}
+        if counts[1] > 0:
+            stats["cache_hit_rate"] = float(counts[0] / counts[1])
+        return stats
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if batch_idx == 0:
@@ -286,9 +336,12 @@ class ElasticPipelineStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.lightning_module.trainer
         loss_scale = 1.0 / max(1, trainer.accumulate_grad_batches)
+        indices = None
+        if self._recorder is not None and self._recorder.yielded:
+            indices = torch.tensor(self._recorder.yielded.popleft(), dtype=torch.long)
         with self.precision_plugin.train_step_context():
             return self._require_engine().train_step(
-                self.lightning_module.training_step, args[0], args[1:], kwargs, loss_scale
+                self.lightning_module.training_step, args[0], args[1:], kwargs, loss_scale, indices
             )
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -379,6 +432,11 @@ class ElasticPipelineStrategy(DDPStrategy):
         super().on_exception(exception)
 
     def teardown(self) -> None:
+        if self._cache is not None:
+            if not self._failed:
+                self.barrier("pipetx-cache")  # every rank is done with the files
+            self._cache.close(remove_files=self.local_rank == 0)
+            self._cache, self._recorder = None, None
         if self.engine is not None:
             failed = self._failed  # collectives with a dead peer would wait for the timeout again
             self.engine.close(restore_weights=not failed, destroy_groups=not failed)

@@ -7,6 +7,7 @@ gradient synchronisation and the released block weights.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -17,13 +18,14 @@ import torch.distributed as dist
 
 from lightning_pipetx.blocks import BlockSplit
 from lightning_pipetx.strategy.autopipe import Plan
+from lightning_pipetx.strategy.cache import ActivationCache, sample_fingerprints
 from lightning_pipetx.strategy.grad_sync import GradientSync
 from lightning_pipetx.strategy.log_replay import LogRecorder, replay
 from lightning_pipetx.strategy.microbatch import batch_size, join_outputs, split_batch
-from lightning_pipetx.strategy.p2p import Channel
+from lightning_pipetx.strategy.p2p import Activation, Channel
 from lightning_pipetx.strategy.param_store import ParamStore, gather_block_state
 from lightning_pipetx.strategy.stage_hooks import StageHooks
-from lightning_pipetx.strategy.stage_runner import StageRunner
+from lightning_pipetx.strategy.stage_runner import StageRunner, no_microbatch_context
 from lightning_pipetx.strategy.topology import Topology
 
 
@@ -71,6 +73,9 @@ class PipelineEngine:
         self._fresh_grads: list[torch.Tensor | None] | None = None
         self.profile_steps = 0  # training steps still to time, after one warm-up step
         self._steps = 0
+        self.cache: ActivationCache | None = None  # AutoCache, on the first stage only
+        self.force_cache = False
+        self.frozen = 0
 
     # --------------------------------------------------------------- steps
     def _microbatches(self, batch: Any) -> tuple[list[Any], list[int]]:
@@ -86,9 +91,52 @@ class PipelineEngine:
 
         return run
 
-    def train_step(self, step: Callable[..., Any], batch: Any, args: tuple, kwargs: dict, loss_scale: float) -> Any:
+    def _cache_depth(self) -> int:
+        """Frozen blocks whose output can be cached: those on this (first) stage."""
+        if self.cache is None or not self.topology.is_first_stage:
+            return 0
+        return min(self.frozen, self.block_range.stop)
+
+    def _use_cache(self, batch: Any, indices: torch.Tensor | None, sizes: list[int]) -> None:
+        """Set up AutoCache for this step's micro-batches (or leave it off)."""
+        if self.cache is None or indices is None or not self.topology.is_first_stage:
+            return
+        self.cache.check_inputs(indices, sample_fingerprints(batch, len(indices)), force=self.force_cache)
+        depth = self._cache_depth()
+        if depth == 0 or not self.cache.enabled:
+            return
+        parts = torch.split(indices, sizes)
+        self.runner.microbatch_context = lambda position: self._cached_prefix(parts[position], depth)
+
+    @contextlib.contextmanager
+    def _cached_prefix(self, indices: torch.Tensor, depth: int):
+        hooks, cache = self.hooks, self.cache
+        level, states, tuple_len = cache.lookup(indices, depth)
+        if states is not None:
+            hooks.incoming = Activation(states.to(self.device), False, tuple_len)
+            hooks.skip_until = level
+        if level < depth:
+            hooks.capture_at = depth - 1
+        try:
+            yield
+        finally:
+            captured = hooks.captured
+            hooks.skip_until, hooks.capture_at, hooks.captured = 0, -1, None
+            if captured is not None:
+                cache.store(indices, depth, captured[0], captured[1])
+
+    def train_step(
+        self,
+        step: Callable[..., Any],
+        batch: Any,
+        args: tuple,
+        kwargs: dict,
+        loss_scale: float,
+        indices: torch.Tensor | None = None,
+    ) -> Any:
         """All forwards and backwards of one batch; the gradients wait in :meth:`install_grads`."""
         microbatches, sizes = self._microbatches(batch)
+        self._use_cache(batch, indices, sizes)
         total = sum(sizes)
         weights = [loss_scale * n / total for n in sizes]
         params = self.grad_sync.all_params
@@ -97,9 +145,14 @@ class PipelineEngine:
             p.grad = None
         self.hooks.timer.active = 0 < self._steps <= self.profile_steps
         self._steps += 1
-        with self.recorder.capture():
-            outputs = self.runner.train(microbatches, self._step_fn(step, args, kwargs, sizes), weights, self.schedule)
-        self.hooks.timer.active = False
+        try:
+            with self.recorder.capture():
+                outputs = self.runner.train(
+                    microbatches, self._step_fn(step, args, kwargs, sizes), weights, self.schedule
+                )
+        finally:
+            self.hooks.timer.active = False
+            self.runner.microbatch_context = no_microbatch_context
         self._fresh_grads = [p.grad for p in params]
         for p, grad in zip(params, earlier):
             p.grad = grad

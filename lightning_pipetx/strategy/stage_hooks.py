@@ -87,6 +87,12 @@ class StageHooks:
         self.is_last_stage = is_last_stage
         self.incoming: Activation | None = None
         self.timer = BlockTimer(len(blocks))
+        # Set per micro-batch by AutoCache on the first stage: skip the blocks before
+        # ``skip_until`` (``incoming`` holds their cached output), and keep the output of
+        # block ``capture_at`` in ``captured`` as ``(hidden, tuple_len)``.
+        self.skip_until = 0
+        self.capture_at = -1
+        self.captured: tuple[torch.Tensor, int] | None = None
         self._saved: dict[int, Any] = {}
 
     def install(self) -> None:
@@ -105,16 +111,22 @@ class StageHooks:
                 block.forward = saved
 
     def _forward(self, index: int, original: Callable, first_arg: str | None, *args: Any, **kwargs: Any) -> Any:
-        if index < self.start:
-            return pack_block_output(self._incoming().tensor, self._incoming().tuple_len)
+        start = max(self.start, self.skip_until)
+        if index < start:
+            incoming = self._incoming()
+            if index == self.end - 1 and not self.is_last_stage:  # the whole stage was cached
+                raise StageExit(incoming.tensor, incoming.tuple_len)
+            return pack_block_output(incoming.tensor, incoming.tuple_len)
         if index >= self.end:
             raise RuntimeError(
                 f"block {index} was called on a stage that runs blocks [{self.start}, {self.end}): "
                 f"the model's forward must call its blocks in order."
             )
-        if index == self.start and self.start > 0:
+        if index == start and start > 0:
             args, kwargs = _replace_first_input(args, kwargs, first_arg, self._incoming().tensor)
         output = self.timer.run(index, original, *args, **kwargs)
+        if index == self.capture_at:
+            self.captured = unpack_block_output(output)
         if index == self.end - 1 and not self.is_last_stage:
             raise StageExit(*unpack_block_output(output))
         return output

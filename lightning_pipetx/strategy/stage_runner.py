@@ -8,6 +8,7 @@ Training runs the whole schedule, forwards and backwards, inside Lightning's
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,10 @@ def extract_loss(output: Any) -> torch.Tensor:
     return loss
 
 
+def no_microbatch_context(position: int) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
 @dataclass
 class _InFlight:
     """One micro-batch between its forward and its backward."""
@@ -67,9 +72,11 @@ class StageRunner:
         self.topology = topology
         self.hooks = hooks
         self.channel = channel
+        # Per micro-batch context (AutoCache on the first stage), given the micro-batch's position.
+        self.microbatch_context: Callable[[int], contextlib.AbstractContextManager] = no_microbatch_context
 
     # ------------------------------------------------------------ forward
-    def _forward(self, microbatch: Any, step_fn: Callable[[Any], Any]) -> _InFlight:
+    def _forward(self, microbatch: Any, step_fn: Callable[[Any], Any], position: int = 0) -> _InFlight:
         topo = self.topology
         received = None
         if not topo.is_first_stage:
@@ -77,7 +84,8 @@ class StageRunner:
             received = act.tensor.requires_grad_(act.needs_grad and torch.is_grad_enabled())
             self.hooks.incoming = Activation(received, act.needs_grad, act.tuple_len)
         try:
-            output = step_fn(microbatch)
+            with self.microbatch_context(position):
+                output = step_fn(microbatch)
         except StageExit as boundary:
             hidden = boundary.hidden
             needs_grad = hidden.requires_grad
@@ -121,7 +129,7 @@ class StageRunner:
         outputs: list[Any] = [None] * len(microbatches)
         for kind, i in schedule_actions(schedule, topo.pipeline_length, topo.stage, len(microbatches)):
             if kind == "F":
-                flight = self._forward(microbatches[i], step_fn)
+                flight = self._forward(microbatches[i], step_fn, i)
                 if topo.is_last_stage:
                     outputs[i] = flight.output
                     flight.loss = extract_loss(flight.output)

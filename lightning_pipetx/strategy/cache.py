@@ -1,0 +1,178 @@
+"""AutoCache: the frozen prefix's output per training sample, shared by the ranks of a node.
+
+The output of blocks ``[0, F)`` for a sample depends only on the sample once those blocks
+are frozen (eval mode, no gradient), so it is computed once and read back afterwards.
+Entries are keyed by (sample index, depth ``F``) and live in file-backed arrays that every
+process on the node maps, so a replica that meets a sample another rank cached reads it
+too. Arrays go to RAM (``/dev/shm``) up to a byte budget, beyond it to a disk directory.
+When the depth grows from ``F1`` to ``F2``, a sample cached at ``F1`` runs blocks
+``[F1, F2)`` only.
+
+Guards: a fingerprint of every sample's input is kept; a sample whose input changes
+between epochs (random augmentation, or dynamic padding that pads it differently) switches
+the cache off for the run, with one warning. So does a hidden state whose shape differs
+from the ones already cached.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_pipetx.strategy.microbatch import _tensors
+
+log = logging.getLogger("lightning_pipetx")
+
+_SHM = Path("/dev/shm")
+
+
+def _shared(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor backed by ``path``, shared with every process that maps the same file."""
+    return torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+
+
+def sample_fingerprints(batch: Any, size: int) -> torch.Tensor:
+    """One float per sample, from every tensor of the batch (values and shape)."""
+    result = torch.zeros(size, dtype=torch.float64)
+    for tensor in _tensors(batch):
+        if tensor.dim() == 0 or tensor.shape[0] != size:
+            continue
+        flat = tensor.detach().reshape(size, -1).to("cpu", torch.float64)
+        weights = torch.linspace(1.0, 2.0, flat.shape[1], dtype=torch.float64)
+        result += flat @ weights + flat.shape[1]
+    return result
+
+
+@dataclass
+class _Store:
+    data: torch.Tensor  # (num_samples, *sample_shape)
+    valid: torch.Tensor  # (num_samples,) uint8
+    tuple_len: int
+    in_ram: bool
+
+
+class ActivationCache:
+    """Per-sample hidden states at each frozen depth, for one run on one node."""
+
+    def __init__(self, directory: Path, spill_directory: Path, num_samples: int, ram_budget: int) -> None:
+        self.directory = directory
+        self.spill_directory = spill_directory
+        self.num_samples = num_samples
+        self.ram_budget = ram_budget
+        for path in {directory, spill_directory}:
+            path.mkdir(parents=True, exist_ok=True)
+        self._fingerprints = _shared(directory / "fingerprints", (num_samples,), torch.float64)
+        self._seen = _shared(directory / "seen", (num_samples,), torch.uint8)
+        self._disabled = _shared(directory / "disabled", (1,), torch.uint8)
+        self._stores: dict[int, _Store] = {}
+        self.hits = self.lookups = 0
+        self._warned = False
+
+    # ------------------------------------------------------------------ guards
+    @property
+    def enabled(self) -> bool:
+        return not bool(self._disabled[0])
+
+    def disable(self, reason: str) -> None:
+        self._disabled[0] = 1
+        if not self._warned:
+            self._warned = True
+            log.warning("pipetx: AutoCache switched off for this run: %s", reason)
+
+    def check_inputs(self, indices: torch.Tensor, fingerprints: torch.Tensor, force: bool = False) -> None:
+        """Switch the cache off if a sample's input differs from the last time it was seen
+        (with ``force``, only warn)."""
+        seen = self._seen[indices].bool()
+        if not torch.equal(self._fingerprints[indices][seen], fingerprints[seen]) and self.enabled:
+            if force:
+                if not self._warned:
+                    self._warned = True
+                    log.warning("pipetx: a sample's input changed between epochs; cache=True keeps caching it.")
+            else:
+                self.disable(
+                    "a sample's input changed between epochs (random augmentation, or dynamic padding that pads "
+                    "it to another length). Cache only deterministic, fixed-shape inputs, or pass cache=False."
+                )
+        self._fingerprints[indices] = fingerprints
+        self._seen[indices] = 1
+
+    # ------------------------------------------------------------- entries
+    def lookup(self, indices: torch.Tensor, depth: int) -> tuple[int, torch.Tensor | None, int]:
+        """The deepest depth ``<= depth`` at which every sample is cached: (depth, states, tuple_len)."""
+        self.lookups += len(indices)
+        if not self.enabled:
+            return 0, None, 0
+        for level in sorted(self._stores, reverse=True):
+            store = self._stores[level]
+            if level <= depth and bool(store.valid[indices].all()):
+                if level == depth:
+                    self.hits += len(indices)
+                return level, store.data[indices], store.tuple_len
+        return 0, None, 0
+
+    def store(self, indices: torch.Tensor, depth: int, hidden: torch.Tensor, tuple_len: int) -> None:
+        store = self._stores.get(depth) or self._open(depth, tuple(hidden.shape[1:]), hidden.dtype, tuple_len)
+        if store is None:
+            return
+        if tuple(store.data.shape[1:]) != tuple(hidden.shape[1:]):
+            self.disable(
+                f"hidden states of shape {tuple(hidden.shape[1:])} and {tuple(store.data.shape[1:])} at one depth: "
+                f"dynamic padding. Pad every batch to one length to use the cache, or pass cache=False."
+            )
+            return
+        store.data[indices] = hidden.detach().to("cpu", store.data.dtype)
+        store.valid[indices] = 1
+
+    def _open(self, depth: int, shape: tuple[int, ...], dtype: torch.dtype, tuple_len: int) -> _Store | None:
+        nbytes = self.num_samples * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        in_ram = self.ram_bytes + nbytes <= self.ram_budget
+        folder = self.directory if in_ram else self.spill_directory
+        data = _shared(folder / f"depth{depth}", (self.num_samples, *shape), dtype)
+        valid = _shared(folder / f"depth{depth}.valid", (self.num_samples,), torch.uint8)
+        self._stores[depth] = store = _Store(data, valid, tuple_len, in_ram)
+        return store
+
+    def drop_below(self, depth: int) -> None:
+        """Free the arrays of depths below ``depth`` except the deepest of them (incremental input)."""
+        lower = sorted(level for level in self._stores if level < depth)
+        for level in lower[:-1]:
+            del self._stores[level]
+
+    # --------------------------------------------------------------- metrics
+    def _bytes(self, in_ram: bool) -> int:
+        return sum(s.data.numel() * s.data.element_size() for s in self._stores.values() if s.in_ram == in_ram)
+
+    @property
+    def ram_bytes(self) -> int:
+        return self._bytes(True)
+
+    @property
+    def disk_bytes(self) -> int:
+        return self._bytes(False)
+
+    def take_counts(self) -> tuple[int, int]:
+        """(hits, lookups) since the last call."""
+        counts = (self.hits, self.lookups)
+        self.hits = self.lookups = 0
+        return counts
+
+    def close(self, remove_files: bool) -> None:
+        self._stores.clear()
+        if remove_files:
+            for path in {self.directory, self.spill_directory}:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def cache_directories(run_token: str, node_rank: int, spill_root: str | None) -> tuple[Path, Path]:
+    """RAM folder (``/dev/shm`` when there is one) and disk folder for one run on one node."""
+    name = f"pipetx-{run_token}-node{node_rank}"
+    spill = Path(spill_root or os.environ.get("TMPDIR", "/tmp")) / name
+    ram = _SHM / name if _SHM.is_dir() and os.access(_SHM, os.W_OK) else spill / "ram"
+    return ram, spill

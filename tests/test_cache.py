@@ -1,0 +1,122 @@
+"""AutoCache on one device: exact, hits once warm, incremental, guarded, and bounded in RAM."""
+
+import lightning.pytorch as pl
+import tiny_models as tm
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
+
+
+class HitRates(Callback):
+    """``pipetx/cache_hit_rate`` of every epoch (None before anything is frozen)."""
+
+    def __init__(self):
+        self.rates = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        rate = trainer.callback_metrics.get("pipetx/cache_hit_rate")
+        self.rates.append(
+            None if rate is None or trainer.callback_metrics.get("pipetx/frozen_blocks") == 0 else float(rate)
+        )
+
+
+def fit(cache, dataset, tmp_path, epochs=4, freeze_interval=1, collate_fn=None, **strategy_kwargs):
+    module = tm.TinyBertClassifier(seed=0, dropout=0.0)
+    freeze = FreezeCallback(alpha=1 / 2, signal="schedule", freeze_interval=freeze_interval)
+    rates = HitRates()
+    strategy = ElasticPipelineStrategy(
+        cache=cache, profile_steps=0, cache_dir=str(tmp_path / "spill"), **strategy_kwargs
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_epochs=epochs,
+        callbacks=[freeze, rates],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, DataLoader(dataset, batch_size=8, shuffle=True, collate_fn=collate_fn))
+    return module.state_dict(), rates.rates, trainer
+
+
+def _same(a, b):
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=1e-5, msg=key)
+
+
+def test_cached_and_uncached_runs_agree_and_the_cache_warms_up(tmp_path):
+    data = tm.RandomTokenDataset(size=32, seed=1)
+    uncached, _, _ = fit(False, data, tmp_path, freeze_interval=2)
+    cached, rates, trainer = fit(True, data, tmp_path, freeze_interval=2)
+    _same(cached, uncached)
+    assert rates == [None, None, 0.0, 1.0]  # frozen after epoch 1: all misses, then all hits
+    assert trainer.callback_metrics["pipetx/cache_ram_bytes"] > 0
+
+
+def test_incremental_deepening_is_exact(tmp_path):
+    data = tm.RandomTokenDataset(size=32, seed=1)
+    uncached, _, _ = fit(False, data, tmp_path)
+    cached, rates, _ = fit(True, data, tmp_path)  # 2 blocks frozen after epoch 0, 3 after epoch 1
+    _same(cached, uncached)
+    assert rates == [None, 0.0, 0.0, 1.0]  # epoch 2 reads depth 2 and runs block 2 only
+
+
+class Augmented(Dataset):
+    """Token ids with a random token swapped in every time a sample is read."""
+
+    def __init__(self):
+        self.data = tm.RandomTokenDataset(size=32, seed=1)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        sample = dict(self.data[index])
+        sample["input_ids"] = sample["input_ids"].clone()
+        sample["input_ids"][1] = torch.randint(2, 100, ())
+        return sample
+
+
+def test_augmentation_switches_the_cache_off_with_a_warning(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        _, rates, trainer = fit("auto", Augmented(), tmp_path)
+    assert any("input changed between epochs" in r.message for r in caplog.records)
+    assert sum("AutoCache switched off" in r.message for r in caplog.records) == 1
+    assert all(rate in (None, 0.0) for rate in rates)
+
+
+def pad_to_longest(samples):
+    batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+    length = int(batch["attention_mask"].sum(1).max())
+    return {k: (v[:, :length] if v.dim() == 2 else v) for k, v in batch.items()}
+
+
+def test_dynamic_padding_is_refused_with_a_clear_message(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        _, rates, _ = fit("auto", tm.RandomTokenDataset(size=32, seed=1), tmp_path, collate_fn=pad_to_longest)
+    messages = " ".join(r.message for r in caplog.records)
+    assert "AutoCache switched off" in messages and "padding" in messages
+    assert all(rate in (None, 0.0) for rate in rates)
+
+
+def test_beyond_the_ram_budget_the_cache_spills_to_disk(tmp_path):
+    data = tm.RandomTokenDataset(size=32, seed=1)
+    uncached, _, _ = fit(False, data, tmp_path, freeze_interval=2)
+    cached, rates, trainer = fit(True, data, tmp_path, freeze_interval=2, cache_ram_bytes=0)
+    _same(cached, uncached)
+    assert rates[-1] == 1.0
+    assert trainer.callback_metrics["pipetx/cache_ram_bytes"] == 0
+    assert trainer.callback_metrics["pipetx/cache_disk_bytes"] > 0
+    assert not list((tmp_path / "spill").glob("pipetx-*"))  # removed when fit ended
+
+
+def test_cache_false_records_nothing(tmp_path):
+    _, _, trainer = fit(False, tm.RandomTokenDataset(size=32, seed=1), tmp_path, epochs=2)
+    assert "pipetx/cache_hit_rate" not in trainer.callback_metrics
+    assert trainer.callback_metrics["pipetx/frozen_blocks"] == 2
