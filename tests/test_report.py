@@ -166,11 +166,6 @@ def test_default_output_dir_is_log_dir_and_plot_can_be_off(tmp_path):
     assert not (tmp_path / "timeline.png").exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: a checkpoint written at the end of an epoch lacks that epoch's record "
-    "(still pending in EpochReport until the next epoch starts), so resuming loses it",
-)
 def test_resume_from_an_end_of_epoch_checkpoint_keeps_every_epoch(tmp_path):
     def fit(max_epochs, ckpt_path=None):
         fc = FreezeCallback(signal="schedule")

@@ -154,6 +154,17 @@ class EpochReport(Callback):
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
+        record = self._complete(pending, trainer)
+        self.records.append(record)
+
+        new_columns = self._update_columns(record)
+        if self.verbose and trainer.is_global_zero:
+            if new_columns:
+                pl_module.print(self._header(self._columns))
+            pl_module.print(self._line(record, self._columns))
+
+    def _complete(self, pending: dict[str, Any], trainer: pl.Trainer) -> dict[str, Any]:
+        """The epoch's record, from its timing and the metrics logged for it."""
         metrics = trainer.callback_metrics
         record: dict[str, Any] = {"epoch": pending["epoch"]}
         for key, field, _, _ in _PIPETX_METRICS:
@@ -164,13 +175,7 @@ class EpochReport(Callback):
             _to_float(metrics[self.monitor]) if pending["validated"] and self.monitor in metrics else None
         )
         record["train_seconds"] = pending["train_seconds"]
-        self.records.append(record)
-
-        new_columns = self._update_columns(record)
-        if self.verbose and trainer.is_global_zero:
-            if new_columns:
-                pl_module.print(self._header(self._columns))
-            pl_module.print(self._line(record, self._columns))
+        return record
 
     def _update_columns(self, record: dict[str, Any]) -> bool:
         """Add columns for metrics seen for the first time; True when the set changed."""
@@ -251,6 +256,12 @@ class EpochReport(Callback):
     # -------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
         return {"records": self.records}
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        # A checkpoint written at an epoch's end carries that epoch, still pending here.
+        if self._pending is not None:
+            state = checkpoint["callbacks"][self.state_key]
+            state["records"] = [*self.records, self._complete(self._pending, trainer)]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.records = list(state_dict.get("records", []))
