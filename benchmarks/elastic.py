@@ -6,7 +6,8 @@ fixed epochs, the same global batch) under:
 * ``ddp``: Lightning's own DDP strategy, no freezing;
 * ``pipe``: a static pipeline of ``--pipeline-length`` stages, no freezing (the paper's baseline);
 * ``freeze_static``: FreezeCallback(alpha) with ``elastic=False`` (the layout never changes);
-* ``elastic``: FreezeCallback(alpha) with the full system (AutoPipe + AutoDP).
+* ``elastic_nocache``: FreezeCallback(alpha) with AutoPipe + AutoDP, AutoCache off;
+* ``elastic``: the full system (AutoPipe + AutoDP + AutoCache).
 
 Prints wall time, samples/s per epoch and final validation accuracy of each, with speed-ups
 against ``ddp`` and ``pipe``, and writes them to ``--out`` (JSON).
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from _launch import launch
 
-CONFIGS = ("ddp", "pipe", "freeze_static", "elastic")
+CONFIGS = ("ddp", "pipe", "freeze_static", "elastic_nocache", "elastic")
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -42,9 +43,13 @@ def worker(args: argparse.Namespace) -> None:
     if config == "ddp":
         strategy, replicas = "ddp", world
     else:
-        strategy = ElasticPipelineStrategy(pipeline_length=args.pipeline_length, elastic=config == "elastic")
+        strategy = ElasticPipelineStrategy(
+            pipeline_length=args.pipeline_length,
+            elastic=config.startswith("elastic"),
+            cache=config == "elastic",
+        )
         replicas = world // args.pipeline_length
-    if config in ("freeze_static", "elastic"):
+    if config in ("freeze_static", "elastic_nocache", "elastic"):
         callbacks.append(FreezeCallback(alpha=args.alpha))
 
     class EpochClock(Callback):

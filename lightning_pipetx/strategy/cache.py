@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lightning_pipetx.strategy.microbatch import _tensors
 
@@ -176,3 +177,17 @@ def cache_directories(run_token: str, node_rank: int, spill_root: str | None) ->
     spill = Path(spill_root or os.environ.get("TMPDIR", "/tmp")) / name
     ram = _SHM / name if _SHM.is_dir() and os.access(_SHM, os.W_OK) else spill / "ram"
     return ram, spill
+
+
+def gather_cache_stats(cache: ActivationCache | None, device: torch.device, world_size: int) -> dict[str, float]:
+    """Hit rate over every rank since the last call, and the bytes cached per node (collective)."""
+    hits, lookups = cache.take_counts() if cache is not None else (0, 0)
+    counts = torch.tensor([hits, lookups], dtype=torch.float64, device=device)
+    sizes = torch.tensor([cache.ram_bytes, cache.disk_bytes] if cache else [0, 0], dtype=torch.float64, device=device)
+    if world_size > 1:
+        dist.all_reduce(counts)
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX)  # the ranks of a node share the same files
+    stats = {"cache_ram_bytes": float(sizes[0]), "cache_disk_bytes": float(sizes[1])}
+    if counts[1] > 0:
+        stats["cache_hit_rate"] = float(counts[0] / counts[1])
+    return stats

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from lightning_pipetx.blocks import BlockSplit, find_blocks
 from lightning_pipetx.strategy.autopipe import Plan, block_costs, choose_plan, make_plan
-from lightning_pipetx.strategy.cache import ActivationCache, cache_directories
+from lightning_pipetx.strategy.cache import ActivationCache, cache_directories, gather_cache_stats
 from lightning_pipetx.strategy.checkpoint import atomic_save, gather_optimizer_state
 from lightning_pipetx.strategy.dataloading import RecordingBatchSampler, global_batch_fits, rebatch, recording
 from lightning_pipetx.strategy.engine import PipelineEngine
@@ -128,6 +128,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._cache: ActivationCache | None = None
         self._recorder: RecordingBatchSampler | None = None
         self._run_token = ""
+        self._transition_seconds: float | None = None
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -255,6 +256,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         # Rebuild the dataloaders with the new replica count before the next epoch.
         trainer.fit_loop._combined_loader = None
         trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
+        self._transition_seconds = time.perf_counter() - started
         if self.is_global_zero:
             log.info(
                 "pipetx: frozen %d->%d blocks, layout %s -> %s, %.1f s",
@@ -262,7 +264,7 @@ class ElasticPipelineStrategy(DDPStrategy):
                 frozen_blocks,
                 old_plan.layout,
                 new_plan.layout,
-                time.perf_counter() - started,
+                self._transition_seconds,
             )
 
     def process_dataloader(self, dataloader: Any) -> Any:
@@ -287,23 +289,15 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def epoch_cache_stats(self) -> dict[str, float]:
         """AutoCache's hit rate and sizes since the last call, agreed by every rank (collective)."""
-        hits, lookups = self._cache.take_counts() if self._cache is not None else (0, 0)
-        ram = self._cache.ram_bytes if self._cache is not None else 0
-        disk = self._cache.disk_bytes if self._cache is not None else 0
-        counts = torch.tensor([hits, lookups], dtype=torch.float64, device=self.root_device)
-        sizes = torch.tensor([ram, disk], dtype=torch.float64, device=self.root_device)
-        if self.world_size > 1:
-            dist.all_reduce(counts)
-            dist.all_reduce(sizes, op=ReduceOp.MAX)  # ranks of a node share the same files
-        stats = {"cache_ram_bytes": float(sizes[0]), "cache_disk_bytes": float(sizes[1])}
-        if counts[1] > 0:
-            stats["cache_hit_rate"] = float(counts[0] / counts[1])
-        return stats
+        return gather_cache_stats(self._cache, self.root_device, self.world_size)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if batch_idx == 0:
             layout = self._require_engine().layout
-            for name, value in (("pipeline_length", layout.pipeline_length), ("replicas", layout.replicas)):
+            values = {"pipeline_length": layout.pipeline_length, "replicas": layout.replicas}
+            if self._transition_seconds is not None:
+                values["transition_seconds"], self._transition_seconds = self._transition_seconds, None
+            for name, value in values.items():
                 self.lightning_module.log(f"pipetx/{name}", float(value), on_step=False, on_epoch=True, sync_dist=True)
 
     def _broadcast_module_state(self) -> None:
