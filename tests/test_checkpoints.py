@@ -21,7 +21,7 @@ def _assert_same_weights(actual, expected):
 
 @pytest.fixture(scope="module")
 def bert_run(tmp_path_factory):
-    """4 processes, 4x1 -> 2x2 after the first freeze; a checkpoint after every epoch."""
+    """4 processes, 4x1 -> 2x2 -> 1x4 as blocks freeze; a checkpoint after every epoch."""
     out = tmp_path_factory.mktemp("elastic_ckpt")
     run_workers("elastic_worker.py", 4, str(out), "bert")
     return out
@@ -37,7 +37,7 @@ def test_checkpoint_loads_on_one_device_without_the_strategy(bert_run):
     model = type(build_module("bert")).load_from_checkpoint(checkpoint, map_location="cpu")
     final = torch.load(bert_run / "final.pt", weights_only=True)["state"]
     _assert_same_weights(model.state_dict(), final)
-    assert torch.load(checkpoint, weights_only=False)["pipetx"]["layout"] == "2x2"
+    assert torch.load(checkpoint, weights_only=False)["pipetx"]["layout"] == "1x4"
 
 
 def test_checkpoint_holds_the_optimizer_state_of_one_process(bert_run, reference):
@@ -56,7 +56,7 @@ def test_resume_continues_like_the_uninterrupted_run(bert_run, nprocs, tmp_path)
     resumed = torch.load(tmp_path / "final.pt", weights_only=True)["state"]
     _assert_same_weights(resumed, torch.load(bert_run / "final.pt", weights_only=True)["state"])
     layouts = [tuple(e[1:3]) for e in json.loads((tmp_path / "report.json").read_text())["epochs"]]
-    assert layouts == ([(2, 2)] if nprocs == 4 else [(1, 2)])  # re-planned for the world it resumed on
+    assert layouts == ([(1, 4)] if nprocs == 4 else [(1, 2)])  # re-planned for the world it resumed on
 
 
 def test_a_single_device_checkpoint_resumes_under_the_strategy(reference, tmp_path):

@@ -21,7 +21,7 @@ from torch.distributed import ReduceOp
 from torch.utils.data import DataLoader
 
 from lightning_pipetx.blocks import BlockSplit, find_blocks
-from lightning_pipetx.strategy.autopipe import Plan, block_costs, choose_plan, make_plan
+from lightning_pipetx.strategy.autopipe import FROZEN_TIME, Plan, block_costs, choose_plan, make_plan
 from lightning_pipetx.strategy.cache import ActivationCache, cache_directories, gather_cache_stats
 from lightning_pipetx.strategy.checkpoint import atomic_save, gather_optimizer_state
 from lightning_pipetx.strategy.dataloading import RecordingBatchSampler, global_batch_fits, rebatch, recording
@@ -167,7 +167,16 @@ class ElasticPipelineStrategy(DDPStrategy):
         accept = None
         if self.keep_global_batch:
             accept = lambda layout: global_batch_fits(self._batch0, layout.replicas)  # noqa: E731
-        return choose_plan(self._costs, frozen, self.world_size, self._length0, microbatches, accept)
+        # A cached frozen prefix costs nothing; computed, it costs its forward pass.
+        frozen_time = 0.0 if self._cache_active() else FROZEN_TIME
+        return choose_plan(self._costs, frozen, self.world_size, self._length0, microbatches, accept, frozen_time)
+
+    def _cache_active(self) -> bool:
+        """Whether AutoCache is on, agreed by every rank (a collective)."""
+        active = torch.tensor(int(self._cache is not None and self._cache.enabled), device=self.root_device)
+        if self.world_size > 1:
+            dist.all_reduce(active, op=ReduceOp.MIN)
+        return bool(active)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
