@@ -24,19 +24,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 
 
 # ---------------------------------------------------------------------------- helpers
-def make_trainer(callbacks, max_epochs=3, **kwargs) -> pl.Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=max_epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    options.update(kwargs)
-    return pl.Trainer(callbacks=callbacks, **options)
+make_trainer = tm.make_trainer
 
 
 def seq_module(**kwargs) -> tm.TinySequentialRegressor:

@@ -7,7 +7,6 @@ import math
 import struct
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import tiny_models as tm
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -20,19 +19,7 @@ MONITOR = "val_loss"  # TinySequentialRegressor logs val_loss (no accuracy: it i
 
 
 # ---------------------------------------------------------------------------- helpers
-def make_trainer(callbacks, max_epochs=3, **kwargs) -> pl.Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=max_epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    options.update(kwargs)
-    return pl.Trainer(callbacks=callbacks, **options)
+make_trainer = tm.make_trainer
 
 
 def seq_module() -> tm.TinySequentialRegressor:

@@ -447,3 +447,20 @@ def build_task(name: str, seed: int = 0, **module_kwargs) -> pl.LightningModule:
 def task_loader(name: str, size: int = 32, batch_size: int = 8, seed: int = 0, shuffle: bool = False) -> DataLoader:
     """A DataLoader over the fixed-seed random data set of task ``name``."""
     return make_loader(TASKS[name].dataset(size=size, seed=seed), batch_size=batch_size, shuffle=shuffle, seed=seed)
+
+
+# ---------------------------------------------------------------------- trainers
+def make_trainer(callbacks, max_epochs=3, **kwargs) -> pl.Trainer:
+    """A quiet single-CPU Trainer (no logger, checkpoints, progress bar or sanity check)."""
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=max_epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    options.update(kwargs)
+    return pl.Trainer(callbacks=callbacks, **options)
