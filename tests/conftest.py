@@ -10,6 +10,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
@@ -39,3 +40,16 @@ def pytest_configure(config):
         hf_logging.set_verbosity_error()
     except ImportError:  # transformers is optional
         pass
+
+
+_RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
+
+
+@pytest.fixture(autouse=True)
+def _forget_rendezvous():
+    """Lightning writes MASTER_PORT and friends into this process's environment when a test
+    trains in-process (the port stays bound by its process group); subprocesses started by
+    later tests must not inherit them."""
+    yield
+    for name in _RENDEZVOUS_VARIABLES:
+        os.environ.pop(name, None)
