@@ -206,3 +206,15 @@ def test_profiled_forward_times_become_the_block_costs():
     trainer.fit(model, task_loader("sequential"))
     assert len(strategy._costs) == 4 and strategy._costs != param_counts
     assert all(0 < seconds < 1 for seconds in strategy._costs)  # seconds per forward, not parameter counts
+
+
+def test_a_recorded_loader_is_not_wrapped_twice():
+    from torch.utils.data import DataLoader
+
+    from lightning_pipetx.strategy.dataloading import recording
+
+    loader, recorder = recording(DataLoader(list(range(10)), batch_size=4))
+    again, same = recording(loader)
+    assert again is loader and same is recorder
+    assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert list(recorder.yielded) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]

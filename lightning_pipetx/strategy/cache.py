@@ -120,8 +120,6 @@ class ActivationCache:
 
     def store(self, indices: torch.Tensor, depth: int, hidden: torch.Tensor, tuple_len: int) -> None:
         store = self._stores.get(depth) or self._open(depth, tuple(hidden.shape[1:]), hidden.dtype, tuple_len)
-        if store is None:
-            return
         if tuple(store.data.shape[1:]) != tuple(hidden.shape[1:]):
             self.disable(
                 f"hidden states of shape {tuple(hidden.shape[1:])} and {tuple(store.data.shape[1:])} at one depth: "
@@ -131,7 +129,7 @@ class ActivationCache:
         store.data[indices] = hidden.detach().to("cpu", store.data.dtype)
         store.valid[indices] = 1
 
-    def _open(self, depth: int, shape: tuple[int, ...], dtype: torch.dtype, tuple_len: int) -> _Store | None:
+    def _open(self, depth: int, shape: tuple[int, ...], dtype: torch.dtype, tuple_len: int) -> _Store:
         nbytes = self.num_samples * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         in_ram = self.ram_bytes + nbytes <= self.ram_budget
         folder = self.directory if in_ram else self.spill_directory

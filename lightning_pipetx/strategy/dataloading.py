@@ -91,6 +91,8 @@ def recording(loader: DataLoader) -> tuple[DataLoader, RecordingBatchSampler]:
     place anyway so that the loader keeps every attribute (``batch_size`` included) the
     user and Lightning see.
     """
+    if isinstance(loader.batch_sampler, RecordingBatchSampler):  # a loader Lightning handed back unchanged
+        return loader, loader.batch_sampler
     batch_sampler = RecordingBatchSampler(loader.batch_sampler)
     object.__setattr__(loader, "batch_sampler", batch_sampler)
     return loader, batch_sampler

@@ -22,9 +22,6 @@ class ParamStore:
         self.blocks = blocks
         self._shapes: dict[int, torch.Size] = {}
 
-    def is_released(self, param: nn.Parameter) -> bool:
-        return id(param) in self._shapes
-
     def shape(self, param: nn.Parameter) -> torch.Size:
         return self._shapes.get(id(param), param.shape)
 
