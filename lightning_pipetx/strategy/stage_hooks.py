@@ -27,8 +27,11 @@ from torch import nn
 from lightning_pipetx.strategy.p2p import Activation
 
 
-class StageExit(Exception):  # noqa: N818 - control flow, not an error
-    """Raised after a non-last stage's final block; carries its hidden state."""
+class StageExit(BaseException):  # noqa: N818 - control flow, not an error
+    """Raised after a non-last stage's final block; carries its hidden state.
+
+    A ``BaseException``, so that a user's ``except Exception:`` around the model call does
+    not swallow the stage boundary."""
 
     def __init__(self, hidden: torch.Tensor, tuple_len: int) -> None:
         super().__init__("stage boundary")

@@ -1,0 +1,51 @@
+"""Cheap fingerprints of a batch's inputs, computed where the batch lives (no host copy).
+
+* :func:`sample_fingerprints`: one number per sample (AutoCache's input guard: a sample
+  whose input changes between epochs must not be served from the cache);
+* :func:`batch_fingerprint`: one number per (micro-)batch, order-sensitive (every stage of
+  a replica must read the same batch).
+
+A fingerprint mixes every tensor's values with position weights, and its shape, in
+float64: equal inputs give equal fingerprints; different inputs give different ones
+except by an unlikely coincidence. It is a check, not a cryptographic hash.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_pipetx.strategy.microbatch import _tensors
+
+
+def _weights(length: int, device: torch.device) -> torch.Tensor:
+    return torch.linspace(1.0, 2.0, length, dtype=torch.float64, device=device)
+
+
+def sample_fingerprints(batch: Any, size: int, device: torch.device | None = None) -> torch.Tensor:
+    """One float64 per sample, from every tensor of ``batch`` whose first dimension is ``size``.
+
+    The result lives on ``device`` (default: the device of the batch's first tensor).
+    """
+    tensors = [t for t in _tensors(batch) if t.dim() > 0 and t.shape[0] == size]
+    if device is None:
+        device = tensors[0].device if tensors else torch.device("cpu")
+    result = torch.zeros(size, dtype=torch.float64, device=device)
+    for tensor in tensors:
+        flat = tensor.detach().reshape(size, -1).to(device, torch.float64)
+        result += flat @ _weights(flat.shape[1], device) + flat.shape[1]
+    return result
+
+
+def batch_fingerprint(batch: Any, device: torch.device | None = None) -> torch.Tensor:
+    """One float64 for the whole batch, sensitive to the order of its samples."""
+    tensors = [t for t in _tensors(batch) if t.dim() > 0]
+    if device is None:
+        device = tensors[0].device if tensors else torch.device("cpu")
+    result = torch.zeros((), dtype=torch.float64, device=device)
+    for tensor in tensors:
+        size = tensor.shape[0]
+        per_sample = sample_fingerprints(tensor, size, device)
+        result += per_sample @ _weights(size, device) + size
+    return result
