@@ -2,8 +2,11 @@
 
 A rank keeps the blocks of its stage (and everything outside the block list). The
 parameters of other blocks stay in the module, so the user's optimizer and the module's
-``state_dict`` keys are unchanged, but their storage is released; their shapes are kept
-so the weights can be gathered from the ranks that own them.
+``state_dict`` keys are unchanged, but their storage is released: a released parameter is
+one element expanded to its full shape, so its ``shape``, ``dim()`` and ``numel()`` stay
+true (``configure_optimizers`` may group parameters by shape, and the model summary counts
+them) while it holds 0 bytes per element. Nothing writes through it: it has no gradient, so
+the optimizer skips it, and it gets real storage again before its values are received.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ class ParamStore:
             for param in block.parameters():
                 if id(param) not in self._shapes:
                     self._shapes[id(param)] = param.shape
-                    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+                    param.data = torch.empty((), dtype=param.dtype, device=param.device).expand(param.shape)
 
     def materialize(self, param: nn.Parameter) -> None:
         """Give a released parameter storage again (its values are to be filled in)."""

@@ -19,8 +19,8 @@ def freeze_callback() -> FreezeCallback:
     return FreezeCallback(alpha=1 / 2, signal="schedule")
 
 
-def build_module(model: str) -> pl.LightningModule:
-    return build_case_module({"model": model, "lr": 1e-3})
+def build_module(model: str, optimizer: str = "adamw") -> pl.LightningModule:
+    return build_case_module({"model": model, "lr": 1e-3, "optimizer": optimizer})
 
 
 def train_loader(model: str, batch_size: int = GLOBAL_BATCH, sampler=None) -> DataLoader:
@@ -32,7 +32,9 @@ def val_loader(model: str) -> DataLoader:
     return DataLoader(TASKS[model].dataset(size=8, seed=2), batch_size=4)
 
 
-def reference_run(model: str, epochs: int = EPOCHS, checkpoint_dir: str | None = None) -> dict:
+def reference_run(
+    model: str, epochs: int = EPOCHS, checkpoint_dir: str | None = None, optimizer: str = "adamw"
+) -> dict:
     """One process, the same global batches and freeze decisions.
 
     Returns the final weights, optimizer state and frozen count; with ``checkpoint_dir``,
@@ -40,7 +42,7 @@ def reference_run(model: str, epochs: int = EPOCHS, checkpoint_dir: str | None =
     """
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    module = build_module(model)
+    module = build_module(model, optimizer)
     freeze = freeze_callback()
     dataset = TASKS[model].dataset(size=TRAIN_SIZE, seed=1)
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)

@@ -1,7 +1,8 @@
 """Train with FreezeCallback under an elastic pipeline; rank 0 saves weights and the layout per epoch.
 
-Usage: torchrun --nproc_per_node=N elastic_worker.py OUT_DIR MODEL (bert | timm_vit) [static | resume CKPT]
-("static": elastic=False, the layout stays while blocks freeze; "resume": fit from CKPT)
+Usage: torchrun --nproc_per_node=N elastic_worker.py OUT_DIR MODEL (bert | timm_vit) [static] [groups] [resume CKPT]
+("static": elastic=False, the layout stays while blocks freeze; "groups": two AdamW parameter
+groups split by parameter shape; "resume": fit from CKPT)
 """
 
 import json
@@ -31,8 +32,10 @@ class LayoutRecorder(Callback):
 
 def main():
     out_dir, model_name = sys.argv[1], sys.argv[2]
-    elastic = sys.argv[3:] != ["static"]
-    ckpt_path = sys.argv[4] if sys.argv[3:4] == ["resume"] else None
+    options = sys.argv[3:]
+    elastic = "static" not in options
+    ckpt_path = options[options.index("resume") + 1] if "resume" in options else None
+    optimizer = "adamw_groups" if "groups" in options else "adamw"
     world = int(os.environ["WORLD_SIZE"])
     freeze = freeze_callback()
     recorder = LayoutRecorder(freeze)
@@ -51,7 +54,7 @@ def main():
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    module = build_module(model_name)
+    module = build_module(model_name, optimizer)
     trainer.fit(module, train_loader(model_name), val_loader(model_name), ckpt_path=ckpt_path)
     fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     metrics = trainer.validate(module, val_loader(model_name), verbose=False)[0]

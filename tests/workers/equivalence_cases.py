@@ -23,6 +23,11 @@ class _Predicting:
     optimizer_name = "adamw"
 
     def configure_optimizers(self):
+        if self.optimizer_name == "adamw_groups":  # weight decay on matrices only, as nanoGPT groups them
+            matrices = [p for p in self.parameters() if p.dim() >= 2]
+            vectors = [p for p in self.parameters() if p.dim() < 2]
+            groups = [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}]
+            return torch.optim.AdamW(groups, lr=self.hparams.lr, eps=1e-6)
         if self.optimizer_name == "sgd":
             return torch.optim.SGD(self.parameters(), lr=self.hparams.lr * 100, momentum=0.9)
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, eps=1e-6)

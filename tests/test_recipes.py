@@ -1,0 +1,37 @@
+"""Common LightningModule recipes under the strategy, as a new user writes them (issue 12)."""
+
+import lightning.pytorch as pl
+import torch
+from distributed import run_workers
+from elastic_cases import build_module, reference_run, train_loader
+
+
+def test_shape_based_parameter_groups_survive_a_transition_and_resume_without_the_strategy(tmp_path):
+    # nanoGPT's recipe: weight decay on matrices only. configure_optimizers runs after the
+    # blocks a rank does not hold are released: their shapes must still be the true ones.
+    run_workers("elastic_worker.py", 2, str(tmp_path), "bert", "groups")
+    expected = reference_run("bert", optimizer="adamw_groups")
+    final = torch.load(tmp_path / "final.pt", weights_only=True)["state"]
+    for key, value in expected["state"].items():
+        torch.testing.assert_close(final[key], value, atol=1e-5, rtol=1e-4, msg=key)
+
+    checkpoint = tmp_path / "epoch=2-step=12.ckpt"
+    saved = torch.load(checkpoint, weights_only=False)
+    assert saved["pipetx"]["layout"] == "1x2"  # trained through the 2x1 -> 1x2 transition
+    assert [len(g["params"]) for g in saved["optimizer_states"][0]["param_groups"]] == [
+        len(g["params"]) for g in expected["optimizer"]["param_groups"]
+    ]
+    # The consolidated checkpoint resumes under a plain single-device Trainer.
+    module = build_module("bert", "adamw_groups")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, train_loader("bert"), ckpt_path=checkpoint)
+    assert trainer.current_epoch == 4 and trainer.global_step == 16
