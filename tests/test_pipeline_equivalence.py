@@ -37,12 +37,14 @@ TWO_PROCESS_CASES = [
     _case("vit_k2_1f1b_clip", "timm_vit", 2, "1f1b", clip=0.05),
     _case("vit_k2_gpipe_accum", "timm_vit", 2, "gpipe", accumulate=2, microbatches=3),
     _case("vit_k1_d2_1f1b", "timm_vit", 1, "1f1b"),
+    _case("gpt2_k2_gpipe_clip", "gpt2", 2, "gpipe", clip=0.05),  # embedding tied to the head: stages 0 and 1
 ]
 FOUR_PROCESS_CASES = [
     _case("bert_k2_d2_gpipe_clip_accum", "bert", 2, "gpipe", clip=0.05, accumulate=2),
     _case("vit_k2_d2_1f1b_clip", "timm_vit", 2, "1f1b", clip=0.05),
     _case("bert_k4_d1_1f1b", "bert", 4, "1f1b", microbatches=4),
     _case("vit_k2_d2_sgd_accum", "timm_vit", 2, "gpipe", optimizer="sgd", accumulate=2),
+    _case("gpt2_k2_d2_1f1b_sgd_accum", "gpt2", 2, "1f1b", optimizer="sgd", accumulate=2, microbatches=4),
 ]
 
 
@@ -77,3 +79,18 @@ def test_two_processes_match_single_process(case, two_process_results):
 @pytest.mark.parametrize("case", FOUR_PROCESS_CASES, ids=lambda c: c["name"])
 def test_four_processes_match_single_process(case, four_process_results):
     _check(case, four_process_results / f"{case['name']}.pt")
+
+
+def test_gradients_are_reduced_during_the_backward(two_process_results):
+    # K=1 x D=2 (pure data parallelism): from the second step on, every bucket's all-reduce
+    # starts inside the last micro-batch's backward.
+    sync = torch.load(two_process_results / "vit_k1_d2_1f1b.pt", weights_only=False)["sync"]
+    assert sync["launched_during_backward"] >= 2  # steps 2 and 3 (step 1 discovers which parameters are used)
+
+
+def test_shared_parameters_are_reduced_only_where_they_are_used(four_process_results):
+    sync = torch.load(four_process_results / "gpt2_k2_d2_1f1b_sgd_accum.pt", weights_only=False)["sync"]
+    stages = sync["shared_stages"]
+    assert stages["model.transformer.wte.weight"] == [0, 1]  # tied to the LM head on the last stage
+    assert stages["model.transformer.wpe.weight"] == [0]
+    assert stages["model.transformer.ln_f.weight"] == [1]

@@ -390,6 +390,31 @@ class TinyViTClassifier(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
 
+class TinyGPT2LM(pl.LightningModule):
+    """An ordinary LightningModule around a tiny HF ``GPT2LMHeadModel`` (its embedding is tied to
+    the LM head: used on the first and the last stage). The loss predicts every next token, so
+    every sample counts the same number of tokens."""
+
+    def __init__(self, seed: int = 0, lr: float = 1e-3, dropout: float = 0.1):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = tiny_gpt2(seed=seed, dropout=dropout)
+
+    def forward(self, batch: dict[str, torch.Tensor]):
+        return self.model(input_ids=batch["input_ids"], labels=batch["input_ids"])
+
+    def training_step(self, batch, batch_idx):
+        loss = self(batch).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self(batch).loss)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
 class TinySequentialRegressor(pl.LightningModule):
     """An ordinary LightningModule around :func:`tiny_sequential` (MSE regression)."""
 
@@ -435,6 +460,7 @@ class TinyTask:
 TASKS: dict[str, TinyTask] = {
     "bert": TinyTask("bert", TinyBertClassifier, RandomTokenDataset, "model.bert.encoder.layer"),
     "timm_vit": TinyTask("timm_vit", TinyViTClassifier, RandomImageDataset, "model.blocks"),
+    "gpt2": TinyTask("gpt2", TinyGPT2LM, RandomTokenDataset, "model.transformer.h"),
     "sequential": TinyTask("sequential", TinySequentialRegressor, RandomVectorDataset, "model.blocks"),
 }
 

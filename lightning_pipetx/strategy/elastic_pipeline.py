@@ -238,6 +238,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         when the plan changed, moves to it before the next epoch's dataloaders are built.
         """
         engine = self._require_engine()
+        engine.share_updated_params(self.optimizers)
         engine.frozen = frozen_blocks
         if self._cache is not None:
             self._cache.drop_below(frozen_blocks)
@@ -344,13 +345,17 @@ class ElasticPipelineStrategy(DDPStrategy):
             indices = torch.tensor(self._recorder.yielded.popleft(), dtype=torch.long)
         with self.precision_plugin.train_step_context():
             return self._require_engine().train_step(
-                self.lightning_module.training_step, args[0], args[1:], kwargs, loss_scale, indices
+                self.lightning_module.training_step, args[0], args[1:], kwargs, loss_scale, indices, self._sync_grads
             )
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """The pipeline already ran the backwards in ``training_step``: hand its gradients over."""
-        self._require_engine().install_grads(sync=self._sync_grads)
-        return closure_loss
+        """The pipeline already ran the backwards in ``training_step``: hand its gradients over,
+        between the precision plugin's ``pre_backward`` and ``post_backward`` (which call the
+        ``on_before_backward`` and ``on_after_backward`` hooks on every rank)."""
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self._require_engine().install_grads()
+        return self.precision_plugin.post_backward(closure_loss, module)
 
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -421,6 +426,7 @@ class ElasticPipelineStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The plain module's ``state_dict``, with every block gathered on global rank 0."""
         engine = self._require_engine()
+        engine.share_updated_params(self.optimizers)
         state = self.lightning_module.state_dict()
         prefix = self._split.path + "."
         gathered = engine.block_state(prefix)
@@ -442,6 +448,8 @@ class ElasticPipelineStrategy(DDPStrategy):
             self._cache, self._recorder = None, None
         if self.engine is not None:
             failed = self._failed  # collectives with a dead peer would wait for the timeout again
+            if not failed:
+                self.engine.share_updated_params(self.optimizers)
             self.engine.close(restore_weights=not failed, destroy_groups=not failed)
             self.engine = None
         plugin = self.precision_plugin

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from lightning_pipetx.blocks import BlockSplit
 from lightning_pipetx.strategy.autopipe import Plan
 from lightning_pipetx.strategy.cache import ActivationCache, sample_fingerprints
-from lightning_pipetx.strategy.grad_sync import GradientSync
+from lightning_pipetx.strategy.grad_sync import DEFAULT_BUCKET_BYTES, GradientSync
 from lightning_pipetx.strategy.log_replay import LogRecorder, replay
 from lightning_pipetx.strategy.microbatch import batch_size, join_outputs, split_batch
 from lightning_pipetx.strategy.p2p import Activation, Channel
@@ -27,6 +27,7 @@ from lightning_pipetx.strategy.param_store import ParamStore, gather_block_state
 from lightning_pipetx.strategy.stage_hooks import StageHooks
 from lightning_pipetx.strategy.stage_runner import StageRunner, no_microbatch_context
 from lightning_pipetx.strategy.topology import Topology
+from lightning_pipetx.strategy.transition import broadcast_shared
 
 
 class PipelineEngine:
@@ -42,6 +43,7 @@ class PipelineEngine:
         device: torch.device,
         schedule: str,
         timeout: timedelta | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
         self.module = module
         self.split = split
@@ -68,14 +70,26 @@ class PipelineEngine:
             [p for i in self.block_range for p in split.block_parameters(i)],
             [p for p in all_params if id(p) not in block_param_ids],
             self.topology,
+            bucket_bytes,
         )
+        self.runner.on_last_backward = self.grad_sync.arm
         self.recorder = LogRecorder(module)
-        self._fresh_grads: list[torch.Tensor | None] | None = None
         self.profile_steps = 0  # training steps still to time, after one warm-up step
         self._steps = 0
         self.cache: ActivationCache | None = None  # AutoCache, on the first stage only
         self.force_cache = False
-        self.frozen = 0
+        self._frozen = 0
+
+    @property
+    def frozen(self) -> int:
+        """Leading blocks frozen (they get no gradient)."""
+        return self._frozen
+
+    @frozen.setter
+    def frozen(self, value: int) -> None:
+        if value != self._frozen:
+            self.grad_sync.reset_usage()  # frozen parameters stop getting gradients
+        self._frozen = value
 
     # --------------------------------------------------------------- steps
     def _microbatches(self, batch: Any) -> tuple[list[Any], list[int]]:
@@ -133,16 +147,17 @@ class PipelineEngine:
         kwargs: dict,
         loss_scale: float,
         indices: torch.Tensor | None = None,
+        sync: bool = True,
     ) -> Any:
-        """All forwards and backwards of one batch; the gradients wait in :meth:`install_grads`."""
+        """All forwards and backwards of one batch; the gradients wait in :meth:`install_grads`.
+
+        ``sync``: this batch ends an accumulation window, so its gradients are reduced over the
+        replicas (overlapped with the backward of the last micro-batch)."""
         microbatches, sizes = self._microbatches(batch)
         self._use_cache(batch, indices, sizes)
         total = sum(sizes)
         weights = [loss_scale * n / total for n in sizes]
-        params = self.grad_sync.all_params
-        earlier = [p.grad for p in params]
-        for p in params:
-            p.grad = None
+        self.grad_sync.begin_step(sync)
         self.hooks.timer.active = 0 < self._steps <= self.profile_steps
         self._steps += 1
         try:
@@ -153,9 +168,7 @@ class PipelineEngine:
         finally:
             self.hooks.timer.active = False
             self.runner.microbatch_context = no_microbatch_context
-        self._fresh_grads = [p.grad for p in params]
-        for p, grad in zip(params, earlier):
-            p.grad = grad
+            self.grad_sync.end_step()
 
         loss = None
         if self.topology.is_last_stage:
@@ -199,22 +212,24 @@ class PipelineEngine:
         return seconds.tolist() if bool((seconds > 0).all()) else None
 
     # ------------------------------------------------------------ gradients
-    def install_grads(self, sync: bool) -> None:
-        """Add the gradients of the last :meth:`train_step` to ``.grad``, then all-reduce unless accumulating."""
-        if self._fresh_grads is None:
-            raise RuntimeError("backward called without a pipelined training_step before it")
-        for p, grad in zip(self.grad_sync.all_params, self._fresh_grads):
-            if grad is None:
-                continue
-            if p.grad is None:
-                p.grad = grad
-            else:
-                p.grad.add_(grad)
-        self._fresh_grads = None
-        if sync:
-            self.grad_sync.all_reduce(self.device)
+    def install_grads(self) -> None:
+        """Put the gradients of the last :meth:`train_step` in ``.grad`` (reduced when it synchronised)."""
+        self.grad_sync.install()
 
     # ---------------------------------------------------------- weights
+    def share_updated_params(self, optimizers: list) -> None:
+        """Shared parameters are updated only on the stages that use them: copy them, with
+        their optimizer state, to every rank (before a checkpoint, a transition, a new
+        frozen prefix, or the end of the run). A collective over the world."""
+        if self.layout.world_size == 1:
+            return
+        owners = {}
+        for param in self.grad_sync.shared_params:
+            stage = self.grad_sync.owner_stage(param)
+            if stage is not None:
+                owners[id(param)] = self.layout.rank(0, stage)
+        broadcast_shared(self.grad_sync.shared_params, owners, optimizers, self.device)
+
     def block_state(self, prefix: str) -> dict[str, torch.Tensor]:
         return gather_block_state(
             self.split.blocks, prefix, self.store, self.layout, self.bounds, self.topology.global_rank
@@ -223,6 +238,7 @@ class PipelineEngine:
     def close(self, restore_weights: bool, destroy_groups: bool = True) -> None:
         """Remove the hooks; bring every block back on every rank; free the process groups."""
         self.hooks.remove()
+        self.grad_sync.close()
         if restore_weights:
             self.store.restore_all(self.layout, self.bounds)
         if destroy_groups:

@@ -74,6 +74,8 @@ class StageRunner:
         self.channel = channel
         # Per micro-batch context (AutoCache on the first stage), given the micro-batch's position.
         self.microbatch_context: Callable[[int], contextlib.AbstractContextManager] = no_microbatch_context
+        # Called before this stage's last backward of a step (gradient sync starts reducing).
+        self.on_last_backward: Callable[[], None] = lambda: None
 
     # ------------------------------------------------------------ forward
     def _forward(self, microbatch: Any, step_fn: Callable[[Any], Any], position: int = 0) -> _InFlight:
@@ -127,7 +129,10 @@ class StageRunner:
         topo = self.topology
         flights: dict[int, _InFlight] = {}
         outputs: list[Any] = [None] * len(microbatches)
-        for kind, i in schedule_actions(schedule, topo.pipeline_length, topo.stage, len(microbatches)):
+        actions = schedule_actions(schedule, topo.pipeline_length, topo.stage, len(microbatches))
+        for position, (kind, i) in enumerate(actions):
+            if position == len(actions) - 1:
+                self.on_last_backward()
             if kind == "F":
                 flight = self._forward(microbatches[i], step_fn, i)
                 if topo.is_last_stage:

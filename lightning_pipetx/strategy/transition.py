@@ -94,6 +94,42 @@ class BlockMover:
             optimizer.state[param] = state
 
 
+def broadcast_shared(
+    params: list[nn.Parameter], owners: dict[int, int], optimizers: list[Optimizer], device: torch.device
+) -> None:
+    """Give every rank the up-to-date copy of the shared parameters that only some ranks
+    update (``owners``: parameter id -> the global rank to copy from), with their optimizer
+    state. A collective over the world; every rank passes the same ``params`` and ``owners``."""
+    optimizer_of = {id(p): opt for opt in optimizers for group in opt.param_groups for p in group["params"]}
+    rank = dist.get_rank()
+    for param in params:
+        src = owners.get(id(param))
+        if src is None:
+            continue
+        optimizer = optimizer_of.get(id(param))
+        state = optimizer.state.get(param) if optimizer is not None and rank == src else None
+        message: list[Any] = [_state_meta(state, param) if rank == src else None]
+        dist.broadcast_object_list(message, src=src, device=device)
+        value = param.data.to(device)
+        dist.broadcast(value, src=src)
+        if rank != src:
+            param.data.copy_(value)
+        meta = message[0]
+        if meta is None or optimizer is None:
+            continue
+        received = {}
+        for key, spec in meta.items():
+            if spec[0] == "value":
+                received[key] = spec[1]
+                continue
+            _, shape, dtype, on_param_device = spec
+            tensor = state[key].to(device) if rank == src else torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(tensor, src=src)
+            received[key] = tensor.to(param.device if on_param_device else torch.device("cpu"))
+        if rank != src:
+            optimizer.state[param] = received
+
+
 def drop_optimizer_state(blocks: nn.Module, optimizers: list[Optimizer], keep: range) -> None:
     """Forget the optimizer state of every block outside ``keep``."""
     for index, block in enumerate(blocks):

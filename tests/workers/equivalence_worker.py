@@ -10,8 +10,24 @@ import sys
 import lightning.pytorch as pl
 import torch
 from equivalence_cases import build_case_module, case_loader, eval_loader
+from lightning.pytorch.callbacks import Callback
 
 from lightning_pipetx import ElasticPipelineStrategy
+
+
+class GradientSyncRecorder(Callback):
+    """How gradients were reduced: buckets started during the backward, and the stages whose
+    gradients make up each parameter outside the block list."""
+
+    def on_train_end(self, trainer, pl_module):
+        sync = trainer.strategy.engine.grad_sync
+        shared = {id(p) for p in sync.shared_params}
+        self.record = {
+            "launched_during_backward": sync.launched_during_backward,
+            "shared_stages": {
+                name: list(sync.stages_using(p)) for name, p in pl_module.named_parameters() if id(p) in shared
+            },
+        }
 
 
 def main() -> None:
@@ -25,7 +41,9 @@ def main() -> None:
             num_microbatches=case["microbatches"],
             schedule=case["schedule"],
         )
+        recorder = GradientSyncRecorder()
         trainer = pl.Trainer(
+            callbacks=[recorder],
             accelerator="cpu",
             devices=world,
             strategy=strategy,
@@ -42,7 +60,7 @@ def main() -> None:
         predictions = trainer.predict(module, eval_loader(case, case["global_batch"] // replicas))
         if trainer.is_global_zero:
             torch.save(
-                {"state": module.state_dict(), "predictions": torch.cat(predictions)},
+                {"state": module.state_dict(), "predictions": torch.cat(predictions), "sync": recorder.record},
                 os.path.join(out_dir, f"{case['name']}.pt"),
             )
 
