@@ -1,9 +1,12 @@
 """Common LightningModule recipes under the strategy, as a new user writes them (issue 12)."""
 
+import json
+
 import lightning.pytorch as pl
 import torch
 from distributed import run_workers
 from elastic_cases import build_module, reference_run, train_loader
+from recipes_cases import STEPS, fp16_reference, hook_counting_module
 
 
 def test_shape_based_parameter_groups_survive_a_transition_and_resume_without_the_strategy(tmp_path):
@@ -35,3 +38,25 @@ def test_shape_based_parameter_groups_survive_a_transition_and_resume_without_th
     )
     trainer.fit(module, train_loader("bert"), ckpt_path=checkpoint)
     assert trainer.current_epoch == 4 and trainer.global_step == 16
+
+
+def _reports(out, mode):
+    return [json.loads((out / f"{mode}_rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_backward_hooks_fire_on_every_rank_and_the_summary_counts_every_weight(tmp_path):
+    run_workers("recipes_worker.py", 2, str(tmp_path), "hooks")
+    full_size = sum(p.numel() for p in hook_counting_module().parameters())
+    for report in _reports(tmp_path, "hooks"):
+        assert report["hook_calls"] == {"on_before_backward": STEPS, "on_after_backward": STEPS, "grads_seen": STEPS}
+        assert report["summary_parameters"] == full_size  # released blocks keep their sizes
+
+
+def test_fp16_loss_scaling_agrees_across_stages(tmp_path):
+    # The first gradient of a block on stage 0 overflows: every rank must skip that step.
+    run_workers("recipes_worker.py", 2, str(tmp_path), "fp16")
+    expected = fp16_reference()
+    assert [r["scale"] for r in _reports(tmp_path, "fp16")] == [expected["scale"]] * 2
+    state = torch.load(tmp_path / "fp16.pt", weights_only=True)["state"]
+    for key, value in expected["state"].items():
+        torch.testing.assert_close(state[key], value, atol=2e-3, rtol=1e-2, msg=key)

@@ -26,6 +26,7 @@ from lightning_pipetx.strategy.cache import ActivationCache, cache_directories, 
 from lightning_pipetx.strategy.checkpoint import atomic_save, gather_optimizer_state
 from lightning_pipetx.strategy.dataloading import RecordingBatchSampler, global_batch_fits, rebatch, recording
 from lightning_pipetx.strategy.engine import PipelineEngine
+from lightning_pipetx.strategy.loss_scaling import AgreedGradScaler
 from lightning_pipetx.strategy.param_store import ParamStore
 from lightning_pipetx.strategy.predictions import gather_predictions
 from lightning_pipetx.strategy.stage_runner import SCHEDULES
@@ -188,12 +189,9 @@ class ElasticPipelineStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        precision_name = type(self.precision_plugin).__name__
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(
-                f"ElasticPipelineStrategy does not support loss scaling ({precision_name}, precision='16-mixed'): "
-                f"use precision='bf16-mixed' or 32."
-            )
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None:  # precision="16-mixed": one scale and one overflow decision for all stages
+            self.precision_plugin.scaler = AgreedGradScaler.like(scaler, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._broadcast_module_state()
@@ -226,6 +224,9 @@ class ElasticPipelineStrategy(DDPStrategy):
             self._timeout,
         )
         engine.cache, engine.frozen, engine.force_cache = self._cache, self._frozen, self.cache is True
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None:
+            engine.runner.scale_loss = scaler.scale
         if self.is_global_zero:
             log.info("pipetx: %s (pipeline_length x replicas), %s schedule", plan.describe(), self.schedule)
         return engine

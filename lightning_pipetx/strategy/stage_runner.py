@@ -76,6 +76,8 @@ class StageRunner:
         self.microbatch_context: Callable[[int], contextlib.AbstractContextManager] = no_microbatch_context
         # Called before this stage's last backward of a step (gradient sync starts reducing).
         self.on_last_backward: Callable[[], None] = lambda: None
+        # Applied to the last stage's loss before its backward (loss scaling under 16-mixed).
+        self.scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
 
     # ------------------------------------------------------------ forward
     def _forward(self, microbatch: Any, step_fn: Callable[[Any], Any], position: int = 0) -> _InFlight:
@@ -108,7 +110,7 @@ class StageRunner:
         if topo.is_last_stage:
             loss = flight.loss
             if loss is not None and loss.requires_grad:
-                (loss * loss_weight).backward()
+                self.scale_loss(loss * loss_weight).backward()
         elif flight.output is not None:
             grad = self.channel.recv_gradient(flight.output, topo.next_rank)
             torch.autograd.backward(flight.output, grad)

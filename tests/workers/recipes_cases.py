@@ -1,0 +1,78 @@
+"""LightningModules written as users write them, shared by the recipes worker and its tests."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from equivalence_cases import build_case_module
+from lightning.pytorch.plugins import MixedPrecision
+from tiny_models import TASKS
+from torch.utils.data import DataLoader, DistributedSampler
+
+STEPS = 3
+GLOBAL_BATCH = 8
+
+
+def hook_counting_module() -> pl.LightningModule:
+    """A tiny BERT that counts its backward hooks and checks gradients in on_after_backward."""
+    module = build_case_module({"model": "bert", "lr": 1e-3})
+    module.hook_calls = {"on_before_backward": 0, "on_after_backward": 0, "grads_seen": 0}
+
+    def on_before_backward(loss):
+        module.hook_calls["on_before_backward"] += 1
+
+    def on_after_backward():
+        module.hook_calls["on_after_backward"] += 1
+        module.hook_calls["grads_seen"] += int(any(p.grad is not None for p in module.parameters()))
+
+    module.on_before_backward = on_before_backward
+    module.on_after_backward = on_after_backward
+    return module
+
+
+class _InfOnce:
+    """A gradient hook that turns the first gradient of one parameter into inf: an overflow
+    in one stage only, as fp16 produces when one block's gradients outgrow the scale."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return grad * float("inf") if self.calls == 1 else grad
+
+
+def fp16_module() -> pl.LightningModule:
+    module = build_case_module({"model": "bert", "lr": 1e-3})
+    first_block = module.model.bert.encoder.layer[0]
+    first_block.output.dense.weight.register_hook(_InfOnce())
+    return module
+
+
+def fp16_plugin() -> MixedPrecision:
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12))
+
+
+def train_loader(batch_size: int, sampler=None) -> DataLoader:
+    dataset = TASKS["bert"].dataset(size=32, seed=1)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=sampler is None, sampler=sampler)
+
+
+def fp16_reference() -> dict[str, torch.Tensor]:
+    """The fp16 run in one process, on the same global batches."""
+    module = fp16_module()
+    dataset = TASKS["bert"].dataset(size=32, seed=1)
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        plugins=[fp16_plugin()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, train_loader(GLOBAL_BATCH, sampler))
+    return {"state": module.state_dict(), "scale": trainer.precision_plugin.scaler.get_scale()}

@@ -1,0 +1,55 @@
+"""Run a user recipe under ElasticPipelineStrategy (2-stage pipeline); rank 0 writes what it saw.
+
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16)
+"""
+
+import json
+import os
+import sys
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.model_summary import summarize
+from recipes_cases import GLOBAL_BATCH, STEPS, fp16_module, fp16_plugin, hook_counting_module, train_loader
+
+from lightning_pipetx import ElasticPipelineStrategy
+
+
+class SummaryAtFitStart(Callback):
+    def on_fit_start(self, trainer, pl_module):
+        self.total_parameters = summarize(pl_module).total_parameters
+
+
+def main() -> None:
+    out_dir, mode = sys.argv[1], sys.argv[2]
+    rank = int(os.environ["RANK"])
+    module = hook_counting_module() if mode == "hooks" else fp16_module()
+    summary = SummaryAtFitStart()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ElasticPipelineStrategy(pipeline_length=2, num_microbatches=2),
+        plugins=[fp16_plugin()] if mode == "fp16" else None,
+        max_steps=STEPS,
+        callbacks=[summary],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, train_loader(GLOBAL_BATCH))
+    report = {"summary_parameters": summary.total_parameters}
+    if mode == "hooks":
+        report["hook_calls"] = module.hook_calls
+    else:
+        report["scale"] = trainer.precision_plugin.scaler.get_scale()
+    with open(os.path.join(out_dir, f"{mode}_rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    if rank == 0:
+        torch.save({"state": module.state_dict()}, os.path.join(out_dir, f"{mode}.pt"))
+
+
+if __name__ == "__main__":
+    main()
