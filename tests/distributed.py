@@ -18,14 +18,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_workers(script: str, nprocs: int, *args: str, timeout: float = 600, expect_failure: bool = False) -> str:
+def run_workers(
+    script: str, nprocs: int, *args: str, timeout: float = 600, expect_failure: bool = False, env: dict | None = None
+) -> str:
     """Run ``tests/workers/<script>`` on ``nprocs`` gloo processes; return its output.
+
+    ``env`` adds environment variables (for example ``PIPETX_STRICT_P2P=1``).
 
     Fails the calling test with the workers' output when they fail (or, with
     ``expect_failure``, when they succeed).
     """
     env = {
         **os.environ,
+        **(env or {}),
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join(
             [str(TESTS_DIR / "workers"), str(TESTS_DIR), str(REPO), os.environ.get("PYTHONPATH", "")]

@@ -3,6 +3,7 @@
 import json
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from distributed import run_workers
 from elastic_cases import build_module, reference_run, train_loader
@@ -60,3 +61,9 @@ def test_fp16_loss_scaling_agrees_across_stages(tmp_path):
     state = torch.load(tmp_path / "fp16.pt", weights_only=True)["state"]
     for key, value in expected["state"].items():
         torch.testing.assert_close(state[key], value, atol=2e-3, rtol=1e-2, msg=key)
+
+
+@pytest.mark.parametrize("mode", ["random_collate", "own_sampler"])
+def test_stages_reading_different_batches_is_an_error(mode, tmp_path):
+    output = run_workers("recipes_worker.py", 2, str(tmp_path), mode, expect_failure=True)
+    assert "BatchMismatchError" in output and "must read the same batches" in output

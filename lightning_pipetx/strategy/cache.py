@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_pipetx.strategy.microbatch import _tensors
+from lightning_pipetx.strategy.p2p import Activation
 
 log = logging.getLogger("lightning_pipetx")
 
@@ -118,7 +119,14 @@ class ActivationCache:
                 return level, store.data[indices], store.tuple_len
         return 0, None, 0
 
-    def store(self, indices: torch.Tensor, depth: int, hidden: torch.Tensor, tuple_len: int) -> None:
+    def store(self, indices: torch.Tensor, depth: int, output: Activation) -> None:
+        if output.extra_tensors:
+            self.disable(
+                "the frozen blocks pass more than their hidden state on to the next block (T5's position bias): "
+                "only the hidden state can be cached."
+            )
+            return
+        hidden, tuple_len = output.tensor, output.tuple_len
         store = self._stores.get(depth) or self._open(depth, tuple(hidden.shape[1:]), hidden.dtype, tuple_len)
         if tuple(store.data.shape[1:]) != tuple(hidden.shape[1:]):
             self.disable(

@@ -303,6 +303,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         return gather_cache_stats(self._cache, self.root_device, self.world_size)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx <= 1:  # the first step of the run, and then every epoch's
+            self._require_engine().check_batches()
         if batch_idx == 0:
             layout = self._require_engine().layout
             values = {"pipeline_length": layout.pipeline_length, "replicas": layout.replicas}
@@ -381,8 +383,18 @@ class ElasticPipelineStrategy(DDPStrategy):
     def _eval(self, step: Any, args: tuple, kwargs: dict) -> Any:
         return self._require_engine().eval_step(step, args[0], args[1:], kwargs)
 
+    def on_train_end(self) -> None:
+        self._require_engine().check_batches()
+
+    def on_validation_end(self) -> None:
+        self._require_engine().check_batches()
+
+    def on_test_end(self) -> None:
+        self._require_engine().check_batches()
+
     def on_predict_end(self) -> None:
         engine = self._require_engine()
+        engine.check_batches()
         loop = self.lightning_module.trainer.predict_loop
         # The loop returns these lists after this hook: reorder them in place.
         for predictions in loop._predictions:

@@ -59,7 +59,7 @@ class PipelineEngine:
 
         self.hooks = StageHooks(split.blocks, start, end, self.topology.is_last_stage)
         self.hooks.install()
-        self.runner = StageRunner(self.topology, self.hooks, Channel(device))
+        self.runner = StageRunner(self.topology, self.hooks, Channel(device, timeout))
         self.store = store
         store.release(self.block_range)
 
@@ -127,7 +127,7 @@ class PipelineEngine:
         hooks, cache = self.hooks, self.cache
         level, states, tuple_len = cache.lookup(indices, depth)
         if states is not None:
-            hooks.incoming = Activation(states.to(self.device), False, tuple_len)
+            hooks.incoming = Activation.of_hidden(states.to(self.device), tuple_len)
             hooks.skip_until = level
         if level < depth:
             hooks.capture_at = depth - 1
@@ -137,7 +137,7 @@ class PipelineEngine:
             captured = hooks.captured
             hooks.skip_until, hooks.capture_at, hooks.captured = 0, -1, None
             if captured is not None:
-                cache.store(indices, depth, captured[0], captured[1])
+                cache.store(indices, depth, captured)
 
     def train_step(
         self,
@@ -202,6 +202,10 @@ class PipelineEngine:
         calls, loss = message[0]
         replay(self.module, calls, self.device)
         return loss
+
+    def check_batches(self) -> None:
+        """Raise if the stages of this replica read different batches since the last check."""
+        self.runner.check_batches()
 
     def profiled_block_seconds(self) -> list[float] | None:
         """Mean forward seconds per block over the profiled steps, agreed by every rank;

@@ -1,22 +1,36 @@
 """Point-to-point transfer of hidden states and their gradients between stages.
 
-Every activation is preceded by a small fixed-size header (dtype, shape, whether a
-gradient comes back, how the block packed its output), so shapes may change from one
-micro-batch to the next (a partial last batch, dynamic padding) without any rank having
-to know them in advance. Gradients need no header: they have the activation's shape.
-Sends are asynchronous and completed by :meth:`Channel.flush`, so no schedule can
-deadlock on two ranks sending to each other; receives block, up to the group timeout.
+A stage sends what its last block returned: a tensor, or a tuple whose tensor elements all
+cross (T5 passes its position bias from block to block that way). Every activation is
+preceded by a small fixed-size header (dtypes, shapes, which elements send a gradient back,
+the tuple's length, and a fingerprint of the micro-batch), so shapes may change from one
+micro-batch to the next without any rank knowing them in advance. Gradients need no header.
+
+Transfers are posted in batches (:func:`torch.distributed.batch_isend_irecv`, an NCCL group):
+the stage runner pairs the sends of one action with the receives of the next, in an order
+that cannot deadlock even when every send blocks until its receive is posted (NCCL's rule;
+see :func:`~lightning_pipetx.strategy.stage_runner.communication_plan`). Every wait is bounded
+by the process-group timeout and a lost peer raises :class:`PeerError` naming it.
+
+``PIPETX_STRICT_P2P=1`` makes gloo as strict as NCCL: a batch completes only when every
+receiver has taken its data (each receive is acknowledged), so an ordering that could
+deadlock under NCCL ends in a timeout on CPU too.
 """
 
 from __future__ import annotations
 
+import os
+import struct
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-_HEADER_LEN = 12
-_MAX_DIMS = _HEADER_LEN - 4
+MAX_TENSORS = 4  # tensor elements of a block's output that may cross a stage boundary
+MAX_DIMS = 8
+_ELEMENT_LEN = 4 + MAX_DIMS  # present, dtype, needs_grad, ndim, shape...
+HEADER_LEN = 3 + MAX_TENSORS * _ELEMENT_LEN
 _DTYPES = [
     torch.float32,
     torch.float16,
@@ -27,75 +41,167 @@ _DTYPES = [
     torch.bool,
     torch.uint8,
 ]
-_TAG_ACTIVATION, _TAG_GRADIENT = 1, 2
-
-
-@dataclass(frozen=True)
-class Activation:
-    """A received hidden state: the tensor, whether its gradient is expected back, and the
-    length of the tuple the sending block returned it in (0: a bare tensor)."""
-
-    tensor: torch.Tensor
-    needs_grad: bool
-    tuple_len: int
+_TAG_DATA, _TAG_ACK = 1, 2
+STRICT_ENV = "PIPETX_STRICT_P2P"
 
 
 class PeerError(RuntimeError):
     """A neighbouring stage stopped answering: it died, or did not answer within the timeout."""
 
 
-def _recv(tensor: torch.Tensor, src: int, tag: int, what: str) -> None:
-    try:
-        dist.recv(tensor, src=src, tag=tag)
-    except RuntimeError as error:  # gloo/NCCL report a lost peer or a timeout as RuntimeError
-        raise PeerError(
-            f"rank {dist.get_rank()} lost global rank {src} while waiting for its {what}: {error}. "
-            f"That rank died or stopped answering within the process-group timeout "
-            f"(ElasticPipelineStrategy(timeout=...)); see its own log for the cause."
-        ) from error
+class BoundaryError(TypeError):
+    """A block returned something that cannot cross a stage boundary."""
+
+
+@dataclass(frozen=True)
+class Activation:
+    """What crosses a stage boundary: the elements of a block's output (``tensors[0]`` is the
+    hidden state), whether each sends a gradient back, and the length of the tuple the block
+    returned (0: a bare tensor)."""
+
+    tensors: tuple[torch.Tensor | None, ...]
+    needs_grad: tuple[bool, ...]
+    tuple_len: int
+    fingerprint: float | None = None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.tensors[0]
+
+    @classmethod
+    def of_hidden(cls, tensor: torch.Tensor, tuple_len: int) -> Activation:
+        """Just a hidden state (as AutoCache stores it); the tuple's other elements are None."""
+        count = max(1, tuple_len)
+        return cls((tensor,) + (None,) * (count - 1), (False,) * count, tuple_len)
+
+    @classmethod
+    def of_output(cls, output: object) -> Activation:
+        """The elements of a block's output that cross the boundary."""
+        if isinstance(output, torch.Tensor):
+            return cls((output,), (output.requires_grad,), 0)
+        if not (isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor)):
+            raise BoundaryError(
+                f"a block returned {type(output).__name__}; ElasticPipelineStrategy needs blocks that return "
+                f"the hidden state as a tensor, or as the first element of a tuple."
+            )
+        for position, item in enumerate(output):
+            if item is not None and not isinstance(item, torch.Tensor):
+                raise BoundaryError(
+                    f"a block returned a {type(item).__name__} at position {position} of its output tuple; only "
+                    f"tensors (and None) can cross a pipeline stage. Turn off what returns it (for example "
+                    f"use_cache=False or output_attentions=False), or pass pipeline_length=1."
+                )
+        if any(item is not None for item in output[MAX_TENSORS:]):
+            raise BoundaryError(
+                f"a block returned {len(output)} outputs; at most the first {MAX_TENSORS} can cross a stage."
+            )
+        tensors = tuple(output[:MAX_TENSORS]) + (None,) * max(0, len(output) - MAX_TENSORS)
+        return cls(tensors, tuple(t is not None and t.requires_grad for t in tensors), len(output))
+
+    def as_output(self) -> object:
+        """The block output a skipped block returns."""
+        if self.tuple_len == 0:
+            return self.tensors[0]
+        return tuple(self.tensors) + (None,) * (self.tuple_len - len(self.tensors))
+
+    @property
+    def extra_tensors(self) -> int:
+        """Tensor elements besides the hidden state."""
+        return sum(t is not None for t in self.tensors[1:])
+
+    def header(self, fingerprint: torch.Tensor | None) -> torch.Tensor:
+        """The header announcing this activation (int64, on the first tensor's device)."""
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        header[0] = self.tuple_len
+        header[1] = int(fingerprint is not None)
+        for e, tensor in enumerate(self.tensors[:MAX_TENSORS]):
+            if tensor is None:
+                continue
+            if tensor.dim() > MAX_DIMS:
+                raise BoundaryError(f"hidden states with more than {MAX_DIMS} dimensions cannot cross a stage")
+            base = 3 + e * _ELEMENT_LEN
+            header[base : base + 4] = torch.tensor(
+                [1, _DTYPES.index(tensor.dtype), int(self.needs_grad[e]), tensor.dim()]
+            )
+            header[base + 4 : base + 4 + tensor.dim()] = torch.tensor(tensor.shape)
+        header = header.to(self.tensors[0].device)
+        if fingerprint is not None:  # float64 bits, filled in on the device: no host copy of the batch
+            header[2] = fingerprint.to(header.device, torch.float64).reshape(1).view(torch.int64)[0]
+        return header
+
+
+def allocate(header: torch.Tensor, device: torch.device) -> Activation:
+    """Empty tensors for the activation announced by ``header`` (read on the host)."""
+    values = header.tolist()
+    fingerprint = struct.unpack("<d", struct.pack("<q", values[2]))[0] if values[1] else None
+    tensors, needs_grad = [], []
+    for e in range(MAX_TENSORS):
+        base = 3 + e * _ELEMENT_LEN
+        present, dtype, grad, ndim = values[base : base + 4]
+        if not present:
+            tensors.append(None)
+            needs_grad.append(False)
+            continue
+        shape = values[base + 4 : base + 4 + ndim]
+        tensors.append(torch.empty(shape, dtype=_DTYPES[dtype], device=device))
+        needs_grad.append(bool(grad))
+    count = max(1, values[0])
+    return Activation(tuple(tensors[:count]), tuple(needs_grad[:count]), values[0], fingerprint)
+
+
+def empty_header(device: torch.device) -> torch.Tensor:
+    return torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+
+
+def strict_mode() -> bool:
+    return os.environ.get(STRICT_ENV, "0") == "1"
 
 
 class Channel:
-    """Sends and receives between this rank and its neighbours in a pipeline."""
+    """Posts batches of sends and receives between this rank and its neighbours."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, timeout: timedelta | None = None, strict: bool | None = None) -> None:
         self.device = device
-        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self.timeout = timeout or timedelta(minutes=30)
+        self.strict = strict_mode() if strict is None else strict
+        self._outstanding: list[tuple[dist.Work, int, torch.Tensor]] = []  # sends of the last batch
 
-    def send_activation(self, tensor: torch.Tensor, dst: int, needs_grad: bool, tuple_len: int) -> None:
-        if tensor.dim() > _MAX_DIMS:
-            raise ValueError(f"hidden states with more than {_MAX_DIMS} dimensions are not supported")
-        header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
-        header[0] = _DTYPES.index(tensor.dtype)
-        header[1] = int(needs_grad)
-        header[2] = tuple_len
-        header[3] = tensor.dim()
-        header[4 : 4 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-        self._isend(header.to(self.device), dst, _TAG_ACTIVATION)
-        self._isend(tensor.detach().contiguous(), dst, _TAG_ACTIVATION)
-
-    def recv_activation(self, src: int) -> Activation:
-        header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-        _recv(header, src, _TAG_ACTIVATION, "hidden state")
-        header = header.tolist()
-        dtype, needs_grad, tuple_len, ndim = _DTYPES[header[0]], bool(header[1]), header[2], header[3]
-        tensor = torch.empty(header[4 : 4 + ndim], dtype=dtype, device=self.device)
-        _recv(tensor, src, _TAG_ACTIVATION, "hidden state")
-        return Activation(tensor, needs_grad, tuple_len)
-
-    def send_gradient(self, grad: torch.Tensor, dst: int) -> None:
-        self._isend(grad.contiguous(), dst, _TAG_GRADIENT)
-
-    def recv_gradient(self, like: torch.Tensor, src: int) -> torch.Tensor:
-        grad = torch.empty_like(like, device=self.device)
-        _recv(grad, src, _TAG_GRADIENT, "gradient")
-        return grad
-
-    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        self._pending.append((dist.isend(tensor, dst=dst, tag=tag), tensor))
+    def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
+        """Post ``sends`` and ``recvs`` (``(tensor, global rank)``) as one batch and return once
+        the receives are complete; the sends complete before the next batch is posted."""
+        self.flush()
+        if not sends and not recvs:
+            return
+        ops = [dist.P2POp(dist.isend, t, peer, tag=_TAG_DATA) for t, peer in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, tag=_TAG_DATA) for t, peer in recvs]
+        works = dist.batch_isend_irecv(ops)
+        send_works, recv_works = works[: len(sends)], works[len(sends) :]
+        if self.strict:  # a send completes only when its receiver acknowledges it
+            send_works = [dist.irecv(torch.zeros(1), peer, tag=_TAG_ACK) for _, peer in sends]
+        for work, (tensor, peer) in zip(send_works, sends):
+            # Keep the tensor alive until the work completes (NCCL reads it asynchronously).
+            self._outstanding.append((work, peer, tensor))
+            if tensor.is_cuda:
+                tensor.record_stream(torch.cuda.current_stream(tensor.device))
+        for work, (tensor, peer) in zip(recv_works, recvs):
+            self._wait(work, peer, "a hidden state or gradient")
+            if self.strict:
+                self._outstanding.append((dist.isend(torch.ones(1), peer, tag=_TAG_ACK), peer, tensor))
+        if self.strict:
+            self.flush()  # a strict batch completes only when every receiver has taken its data
 
     def flush(self) -> None:
-        """Wait for every send issued so far."""
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
+        """Wait for the sends of the last batch."""
+        outstanding, self._outstanding = self._outstanding, []
+        for work, peer, _ in outstanding:
+            self._wait(work, peer, "the receipt of what it was sent")
+
+    def _wait(self, work: dist.Work, peer: int, what: str) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as error:  # gloo and NCCL report a lost peer or a timeout as RuntimeError
+            raise PeerError(
+                f"rank {dist.get_rank()} lost global rank {peer} while waiting for {what}: {error}. "
+                f"That rank died or stopped answering within the process-group timeout "
+                f"(ElasticPipelineStrategy(timeout=...)); see its own log for the cause."
+            ) from error

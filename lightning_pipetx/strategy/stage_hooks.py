@@ -28,31 +28,14 @@ from lightning_pipetx.strategy.p2p import Activation
 
 
 class StageExit(BaseException):  # noqa: N818 - control flow, not an error
-    """Raised after a non-last stage's final block; carries its hidden state.
+    """Raised after a non-last stage's final block; carries what crosses the boundary.
 
     A ``BaseException``, so that a user's ``except Exception:`` around the model call does
     not swallow the stage boundary."""
 
-    def __init__(self, hidden: torch.Tensor, tuple_len: int) -> None:
+    def __init__(self, activation: Activation) -> None:
         super().__init__("stage boundary")
-        self.hidden = hidden
-        self.tuple_len = tuple_len
-
-
-def unpack_block_output(output: Any) -> tuple[torch.Tensor, int]:
-    """The hidden state in a block's output, and the length of the tuple it came in (0: bare)."""
-    if isinstance(output, torch.Tensor):
-        return output, 0
-    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-        return output[0], len(output)
-    raise TypeError(
-        f"a block returned {type(output).__name__}; ElasticPipelineStrategy needs blocks that return "
-        f"the hidden state as a tensor, or as the first element of a tuple."
-    )
-
-
-def pack_block_output(hidden: torch.Tensor, tuple_len: int) -> Any:
-    return hidden if tuple_len == 0 else (hidden,) + (None,) * (tuple_len - 1)
+        self.activation = activation
 
 
 class BlockTimer:
@@ -92,10 +75,10 @@ class StageHooks:
         self.timer = BlockTimer(len(blocks))
         # Set per micro-batch by AutoCache on the first stage: skip the blocks before
         # ``skip_until`` (``incoming`` holds their cached output), and keep the output of
-        # block ``capture_at`` in ``captured`` as ``(hidden, tuple_len)``.
+        # block ``capture_at`` in ``captured``.
         self.skip_until = 0
         self.capture_at = -1
-        self.captured: tuple[torch.Tensor, int] | None = None
+        self.captured: Activation | None = None
         self._saved: dict[int, Any] = {}
 
     def install(self) -> None:
@@ -118,8 +101,10 @@ class StageHooks:
         if index < start:
             incoming = self._incoming()
             if index == self.end - 1 and not self.is_last_stage:  # the whole stage was cached
-                raise StageExit(incoming.tensor, incoming.tuple_len)
-            return pack_block_output(incoming.tensor, incoming.tuple_len)
+                raise StageExit(incoming)
+            # The tuple's other elements (T5's position bias) reach the next block through the
+            # model's own loop, as if this block had run.
+            return incoming.as_output()
         if index >= self.end:
             raise RuntimeError(
                 f"block {index} was called on a stage that runs blocks [{self.start}, {self.end}): "
@@ -129,9 +114,9 @@ class StageHooks:
             args, kwargs = _replace_first_input(args, kwargs, first_arg, self._incoming().tensor)
         output = self.timer.run(index, original, *args, **kwargs)
         if index == self.capture_at:
-            self.captured = unpack_block_output(output)
+            self.captured = Activation.of_output(output)
         if index == self.end - 1 and not self.is_last_stage:
-            raise StageExit(*unpack_block_output(output))
+            raise StageExit(Activation.of_output(output))
         return output
 
     def _incoming(self) -> Activation:

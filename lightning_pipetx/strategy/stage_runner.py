@@ -4,6 +4,12 @@ The user's step function (``training_step`` and friends, unchanged) is called on
 micro-batch on every stage; :class:`StageHooks` make it run only this stage's blocks.
 Training runs the whole schedule, forwards and backwards, inside Lightning's
 ``training_step``; the gradients are handed to Lightning's ``backward`` by the strategy.
+
+Communication follows :func:`communication_plan`: before each action, the sends the previous
+action produced and the receives this action needs are posted as one batch (an NCCL group),
+and an activation's payload is received in a second batch once its header has told its
+shapes. The plan is what the runner executes, and what the tests check cannot deadlock when
+every send blocks until its receive is posted.
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ from typing import Any
 
 import torch
 
-from lightning_pipetx.strategy.p2p import Activation, Channel
+from lightning_pipetx.strategy.fingerprint import batch_fingerprint
+from lightning_pipetx.strategy.p2p import Activation, Channel, allocate, empty_header
 from lightning_pipetx.strategy.stage_hooks import StageExit, StageHooks
 from lightning_pipetx.strategy.topology import Topology
 
@@ -42,6 +49,56 @@ def schedule_actions(schedule: str, num_stages: int, stage: int, num_microbatche
     raise ValueError(f"schedule={schedule!r}: choose one of {SCHEDULES}")
 
 
+@dataclass(frozen=True)
+class Op:
+    """One send or receive of a plan: with ``peer`` (a stage) and what is transferred,
+    ``("act", i, "header" | "payload")`` or ``("grad", i, "")``."""
+
+    send: bool
+    peer: int
+    message: tuple[str, int, str]
+
+
+def _receives(kind: str, i: int, stage: int, num_stages: int) -> list[list[Op]]:
+    """The receive batches an action needs before it runs (header first, then payload)."""
+    if kind == "F" and stage > 0:
+        return [[Op(False, stage - 1, ("act", i, "header"))], [Op(False, stage - 1, ("act", i, "payload"))]]
+    if kind == "B" and stage < num_stages - 1:
+        return [[Op(False, stage + 1, ("grad", i, ""))]]
+    return [[]]
+
+
+def _sends(kind: str, i: int, stage: int, num_stages: int) -> list[Op]:
+    """What an action sends once it has run."""
+    if kind == "F" and stage < num_stages - 1:
+        return [Op(True, stage + 1, ("act", i, "header")), Op(True, stage + 1, ("act", i, "payload"))]
+    if kind == "B" and stage > 0:
+        return [Op(True, stage - 1, ("grad", i, ""))]
+    return []
+
+
+def communication_plan(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> list[list[Op]]:
+    """The batches of sends and receives one stage posts during a step, in order.
+
+    Before action ``k`` the stage posts one batch: what action ``k - 1`` produced (sends)
+    together with what action ``k`` needs (receives: a gradient, or an activation's header);
+    an activation's payload follows in a batch of its own. A batch is posted only when the
+    previous one has completed. Under GPipe and 1F1B this pairs every send with a receive the
+    peer has already posted or posts in its own current batch (Megatron's
+    send-forward-receive-backward pairing), so no send waits on a peer that waits on it.
+    """
+    actions = schedule_actions(schedule, num_stages, stage, num_microbatches)
+    batches: list[list[Op]] = []
+    outbox: list[Op] = []
+    for kind, i in actions:
+        first, *rest = _receives(kind, i, stage, num_stages)
+        batches.append(outbox + first)
+        batches.extend(rest)
+        outbox = _sends(kind, i, stage, num_stages)
+    batches.append(outbox)
+    return [batch for batch in batches if batch]
+
+
 def extract_loss(output: Any) -> torch.Tensor:
     loss = output.get("loss") if isinstance(output, dict) else output
     if not isinstance(loss, torch.Tensor):
@@ -56,17 +113,21 @@ def no_microbatch_context(position: int) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+class BatchMismatchError(RuntimeError):
+    """The stages of one replica read different batches."""
+
+
 @dataclass
 class _InFlight:
     """One micro-batch between its forward and its backward."""
 
-    input: torch.Tensor | None  # the received hidden state (a leaf), if any
-    output: Any  # the hidden state sent on, or (last stage) the step's output
+    input: Activation | None  # what was received (leaf tensors), if anything
+    output: Any  # the activation sent on, or (last stage) the step's output
     loss: torch.Tensor | None = None
 
 
 class StageRunner:
-    """Executes forwards and backwards of one stage and exchanges hidden states."""
+    """Executes forwards and backwards of one stage and exchanges what crosses its boundaries."""
 
     def __init__(self, topology: Topology, hooks: StageHooks, channel: Channel) -> None:
         self.topology = topology
@@ -78,23 +139,57 @@ class StageRunner:
         self.on_last_backward: Callable[[], None] = lambda: None
         # Applied to the last stage's loss before its backward (loss scaling under 16-mixed).
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
+        self._mismatches: torch.Tensor | None = None  # micro-batches whose fingerprint differed, on device
+
+    # ------------------------------------------------------- communication
+    def _receive_activation(self, outbox: list[tuple[torch.Tensor, int]], microbatch: Any) -> Activation:
+        prev, device = self.topology.prev_rank, self.channel.device
+        header = empty_header(device)
+        self.channel.exchange(outbox, [(header, prev)])
+        act = allocate(header, device)
+        self.channel.exchange([], [(t, prev) for t in act.tensors if t is not None])
+        if act.fingerprint is not None:
+            differs = batch_fingerprint(microbatch, device) != act.fingerprint
+            self._mismatches = differs.int() if self._mismatches is None else self._mismatches + differs.int()
+        grad_enabled = torch.is_grad_enabled()
+        tensors = tuple(
+            None if t is None else t.requires_grad_(need and grad_enabled)
+            for t, need in zip(act.tensors, act.needs_grad)
+        )
+        return Activation(tensors, act.needs_grad, act.tuple_len, act.fingerprint)
+
+    def _activation_sends(self, act: Activation, microbatch: Any) -> list[tuple[torch.Tensor, int]]:
+        nxt = self.topology.next_rank
+        header = act.header(batch_fingerprint(microbatch, act.tensor.device))
+        return [(header, nxt)] + [(t.detach().contiguous(), nxt) for t in act.tensors if t is not None]
+
+    def check_batches(self) -> None:
+        """Raise if a micro-batch differed from the one the previous stage read (a host read)."""
+        mismatches, self._mismatches = self._mismatches, None
+        if mismatches is not None and int(mismatches) > 0:
+            raise BatchMismatchError(
+                f"stage {self.topology.stage} of replica {self.topology.replica} read a different batch than "
+                f"stage {self.topology.stage - 1} in {int(mismatches)} micro-batches. Every stage of a replica "
+                f"must read the same batches: a random collate_fn (for example DataCollatorForLanguageModeling's "
+                f"masking, or Mixup), an IterableDataset sharded by global rank, or Trainer("
+                f"use_distributed_sampler=False) with a sampler of your own breaks that. Make the randomness "
+                f"part of the dataset with a seed per sample, shard by `trainer.strategy.distributed_sampler_kwargs` "
+                f"(num_replicas, rank), or let Lightning inject its sampler."
+            )
 
     # ------------------------------------------------------------ forward
-    def _forward(self, microbatch: Any, step_fn: Callable[[Any], Any], position: int = 0) -> _InFlight:
+    def _forward(
+        self, microbatch: Any, step_fn: Callable[[Any], Any], position: int, incoming: Activation | None
+    ) -> tuple[_InFlight, list[tuple[torch.Tensor, int]]]:
         topo = self.topology
-        received = None
-        if not topo.is_first_stage:
-            act = self.channel.recv_activation(topo.prev_rank)
-            received = act.tensor.requires_grad_(act.needs_grad and torch.is_grad_enabled())
-            self.hooks.incoming = Activation(received, act.needs_grad, act.tuple_len)
+        self.hooks.incoming = incoming
         try:
             with self.microbatch_context(position):
                 output = step_fn(microbatch)
         except StageExit as boundary:
-            hidden = boundary.hidden
-            needs_grad = hidden.requires_grad
-            self.channel.send_activation(hidden, topo.next_rank, needs_grad, boundary.tuple_len)
-            return _InFlight(received, hidden if needs_grad else None)
+            act = boundary.activation
+            sent = act if any(act.needs_grad) else None
+            return _InFlight(incoming, sent), self._activation_sends(act, microbatch)
         finally:
             self.hooks.incoming = None
         if not topo.is_last_stage:
@@ -102,22 +197,31 @@ class StageRunner:
                 f"stage {topo.stage} finished its step without reaching block {self.hooks.end - 1}: the "
                 f"model's forward must run every block for each micro-batch."
             )
-        return _InFlight(received, output)
+        return _InFlight(incoming, output), []
 
     # ----------------------------------------------------------- backward
-    def _backward(self, flight: _InFlight, loss_weight: float) -> None:
+    def _backward(self, flight: _InFlight, loss_weight: float, grads: list[torch.Tensor]) -> list:
         topo = self.topology
         if topo.is_last_stage:
             loss = flight.loss
             if loss is not None and loss.requires_grad:
                 self.scale_loss(loss * loss_weight).backward()
         elif flight.output is not None:
-            grad = self.channel.recv_gradient(flight.output, topo.next_rank)
-            torch.autograd.backward(flight.output, grad)
+            outputs = [t for t, need in zip(flight.output.tensors, flight.output.needs_grad) if need]
+            torch.autograd.backward(outputs, grads)
         received = flight.input
-        if received is not None and received.requires_grad:
-            grad = received.grad if received.grad is not None else torch.zeros_like(received)
-            self.channel.send_gradient(grad, topo.prev_rank)
+        if received is None or not any(t is not None and t.requires_grad for t in received.tensors):
+            return []
+        return [
+            (t.grad if t.grad is not None else torch.zeros_like(t), topo.prev_rank)
+            for t, need in zip(received.tensors, received.needs_grad)
+            if need
+        ]
+
+    def _gradient_buffers(self, flight: _InFlight) -> list[torch.Tensor]:
+        if self.topology.is_last_stage or flight.output is None:
+            return []
+        return [torch.empty_like(t) for t, need in zip(flight.output.tensors, flight.output.needs_grad) if need]
 
     # -------------------------------------------------------------- steps
     def train(
@@ -131,23 +235,42 @@ class StageRunner:
         topo = self.topology
         flights: dict[int, _InFlight] = {}
         outputs: list[Any] = [None] * len(microbatches)
+        outbox: list[tuple[torch.Tensor, int]] = []
         actions = schedule_actions(schedule, topo.pipeline_length, topo.stage, len(microbatches))
         for position, (kind, i) in enumerate(actions):
             if position == len(actions) - 1:
                 self.on_last_backward()
             if kind == "F":
-                flight = self._forward(microbatches[i], step_fn, i)
+                incoming = None
+                if topo.is_first_stage:
+                    self.channel.exchange(outbox, [])
+                else:
+                    incoming = self._receive_activation(outbox, microbatches[i])
+                flight, outbox = self._forward(microbatches[i], step_fn, i, incoming)
                 if topo.is_last_stage:
                     outputs[i] = flight.output
                     flight.loss = extract_loss(flight.output)
                 flights[i] = flight
             else:
-                self._backward(flights.pop(i), loss_weights[i])
+                flight = flights.pop(i)
+                grads = self._gradient_buffers(flight)
+                self.channel.exchange(outbox, [(g, topo.next_rank) for g in grads])
+                outbox = self._backward(flight, loss_weights[i], grads)
+        self.channel.exchange(outbox, [])
         self.channel.flush()
         return outputs
 
     def evaluate(self, microbatches: Sequence[Any], step_fn: Callable[[Any], Any]) -> list[Any]:
         """Forwards only; returns the last stage's step outputs."""
-        outputs = [self._forward(mb, step_fn).output for mb in microbatches]
+        outputs, outbox = [], []
+        for i, microbatch in enumerate(microbatches):
+            if self.topology.is_first_stage:
+                self.channel.exchange(outbox, [])
+                incoming = None
+            else:
+                incoming = self._receive_activation(outbox, microbatch)
+            flight, outbox = self._forward(microbatch, step_fn, i, incoming)
+            outputs.append(flight.output)
+        self.channel.exchange(outbox, [])
         self.channel.flush()
         return outputs

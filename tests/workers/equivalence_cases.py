@@ -46,19 +46,35 @@ def build_case_module(case: dict) -> pl.LightningModule:
     return module
 
 
+def pad_to_longest(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Dynamic padding: each batch is cut to its longest sequence."""
+    batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+    length = int(batch["attention_mask"].sum(1).max())
+    return {k: (v[:, :length] if v.dim() == 2 else v) for k, v in batch.items()}
+
+
+def _collate(case: dict):
+    return pad_to_longest if case.get("pad") else None
+
+
+def train_dataset(case: dict):
+    return TASKS[case["model"]].dataset(size=case.get("train_size", TRAIN_SIZE), seed=1)
+
+
 def case_loader(case: dict, batch_size: int) -> DataLoader:
     """Training data; the strategy injects a DistributedSampler (shuffled, seed 0)."""
-    return DataLoader(TASKS[case["model"]].dataset(size=TRAIN_SIZE, seed=1), batch_size=batch_size, shuffle=True)
+    return DataLoader(train_dataset(case), batch_size=batch_size, shuffle=True, collate_fn=_collate(case))
 
 
 def eval_loader(case: dict, batch_size: int) -> DataLoader:
-    return DataLoader(TASKS[case["model"]].dataset(size=EVAL_SIZE, seed=2), batch_size=batch_size)
+    dataset = TASKS[case["model"]].dataset(size=EVAL_SIZE, seed=2)
+    return DataLoader(dataset, batch_size=batch_size, collate_fn=_collate(case))
 
 
 def reference_run(case: dict) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The same training in one process on the same global batches: weights and predictions."""
     module = build_case_module(case)
-    dataset = TASKS[case["model"]].dataset(size=TRAIN_SIZE, seed=1)
+    dataset = train_dataset(case)
     # Lightning's distributed sampler order over one replica: the same global batches.
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
     trainer = pl.Trainer(
@@ -73,6 +89,8 @@ def reference_run(case: dict) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    trainer.fit(module, DataLoader(dataset, batch_size=case["global_batch"], sampler=sampler))
+    trainer.fit(
+        module, DataLoader(dataset, batch_size=case["global_batch"], sampler=sampler, collate_fn=_collate(case))
+    )
     predictions = trainer.predict(module, eval_loader(case, case["global_batch"]))
     return module.state_dict(), torch.cat(predictions)

@@ -53,6 +53,14 @@ def fp16_plugin() -> MixedPrecision:
     return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12))
 
 
+def random_masking(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack, then replace 15% of the tokens by a mask id at random (an MLM collator's habit)."""
+    batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+    masked = torch.rand(batch["input_ids"].shape) < 0.15
+    batch["input_ids"] = batch["input_ids"].masked_fill(masked, 1)
+    return batch
+
+
 def train_loader(batch_size: int, sampler=None) -> DataLoader:
     dataset = TASKS["bert"].dataset(size=32, seed=1)
     return DataLoader(dataset, batch_size=batch_size, shuffle=sampler is None, sampler=sampler)

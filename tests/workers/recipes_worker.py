@@ -1,6 +1,10 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline); rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16)
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | random_collate | own_sampler)
+
+"random_collate" masks tokens at random in the collate function (as MLM collators do) and
+"own_sampler" turns Lightning's distributed sampler off: both give the two stages different
+batches, which must end in an error.
 """
 
 import json
@@ -11,7 +15,15 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_summary import summarize
-from recipes_cases import GLOBAL_BATCH, STEPS, fp16_module, fp16_plugin, hook_counting_module, train_loader
+from recipes_cases import (
+    GLOBAL_BATCH,
+    STEPS,
+    fp16_module,
+    fp16_plugin,
+    hook_counting_module,
+    random_masking,
+    train_loader,
+)
 
 from lightning_pipetx import ElasticPipelineStrategy
 
@@ -31,6 +43,7 @@ def main() -> None:
         devices=2,
         strategy=ElasticPipelineStrategy(pipeline_length=2, num_microbatches=2),
         plugins=[fp16_plugin()] if mode == "fp16" else None,
+        use_distributed_sampler=mode != "own_sampler",
         max_steps=STEPS,
         callbacks=[summary],
         logger=False,
@@ -39,7 +52,10 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    trainer.fit(module, train_loader(GLOBAL_BATCH))
+    loader = train_loader(GLOBAL_BATCH)
+    if mode == "random_collate":
+        loader = torch.utils.data.DataLoader(loader.dataset, batch_size=GLOBAL_BATCH, collate_fn=random_masking)
+    trainer.fit(module, loader)
     report = {"summary_parameters": summary.total_parameters}
     if mode == "hooks":
         report["hook_calls"] = module.hook_calls

@@ -1,0 +1,35 @@
+"""Two ranks exchange tensors through the pipeline's Channel in strict mode.
+
+Usage: torchrun --nproc_per_node=2 p2p_worker.py (paired | unpaired)
+"paired": each rank posts its send and its receive in one batch (completes);
+"unpaired": each rank posts its send alone, then its receive (a deadlock under NCCL's rule,
+which strict mode must turn into a timeout error).
+"""
+
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from lightning_pipetx.strategy.p2p import Channel
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    peer = 1 - rank
+    channel = Channel(torch.device("cpu"), timeout=timedelta(seconds=5), strict=True)
+    outgoing, incoming = torch.full((4,), float(rank)), torch.empty(4)
+    if sys.argv[1] == "paired":
+        channel.exchange([(outgoing, peer)], [(incoming, peer)])
+    else:
+        channel.exchange([(outgoing, peer)], [])
+        channel.exchange([], [(incoming, peer)])
+    channel.flush()
+    assert torch.equal(incoming, torch.full((4,), float(peer)))
+    print(f"rank {rank} exchanged")
+
+
+if __name__ == "__main__":
+    main()
