@@ -7,7 +7,9 @@ import pytest
 import torch
 from distributed import run_workers
 from elastic_cases import build_module, reference_run, train_loader
-from recipes_cases import STEPS, fp16_reference, hook_counting_module
+from recipes_cases import STEPS, fp16_reference, hidden_states_module, hook_counting_module
+
+from lightning_pipetx.strategy.model_checks import UnsupportedOutputsError
 
 
 def test_shape_based_parameter_groups_survive_a_transition_and_resume_without_the_strategy(tmp_path):
@@ -67,3 +69,45 @@ def test_fp16_loss_scaling_agrees_across_stages(tmp_path):
 def test_stages_reading_different_batches_is_an_error(mode, tmp_path):
     output = run_workers("recipes_worker.py", 2, str(tmp_path), mode, expect_failure=True)
     assert "BatchMismatchError" in output and "must read the same batches" in output
+
+
+@pytest.mark.parametrize(
+    "mode, request_text",
+    [
+        ("hidden_states", "BertForSequenceClassification was asked for output_hidden_states"),
+        ("intermediates", "VisionTransformer was asked for forward_intermediates"),
+    ],
+)
+def test_outputs_of_every_block_are_refused_under_a_pipeline(mode, request_text, tmp_path):
+    output = run_workers("recipes_worker.py", 2, str(tmp_path), mode, expect_failure=True)
+    assert "UnsupportedOutputsError" in output and request_text in output
+    assert "pipeline_length=1" in output
+
+
+def _fit_with_cache(module, cache, tmp_path, caplog):
+    from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ElasticPipelineStrategy(cache=cache, cache_dir=str(tmp_path)),
+        callbacks=[FreezeCallback(alpha=1 / 2, signal="schedule")],
+        max_epochs=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        trainer.fit(module, train_loader("bert"))
+    return trainer
+
+
+def test_hidden_states_of_every_layer_switch_the_cache_off_on_one_device(tmp_path, caplog):
+    trainer = _fit_with_cache(hidden_states_module(), "auto", tmp_path, caplog)
+    assert any("asked for output_hidden_states" in r.message and "switched off" in r.message for r in caplog.records)
+    assert trainer.callback_metrics["pipetx/frozen_blocks"] > 0
+    assert trainer.callback_metrics.get("pipetx/cache_hit_rate", 0.0) == 0.0
+    with pytest.raises(UnsupportedOutputsError, match="pass cache=False"):
+        _fit_with_cache(hidden_states_module(), True, tmp_path, caplog)

@@ -146,6 +146,25 @@ def tiny_gpt2(seed: int = 0, dropout: float = 0.1) -> nn.Module:
     return _seeded(seed, lambda: GPT2LMHeadModel(config))
 
 
+def tiny_t5(seed: int = 0, dropout: float = 0.1) -> nn.Module:
+    """A tiny T5 (encoder-decoder); its decoder's blocks pass the position bias on through their outputs."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=VOCAB,
+        d_model=HIDDEN,
+        d_kv=HIDDEN // HEADS,
+        d_ff=INTERMEDIATE,
+        num_layers=LAYERS,
+        num_heads=HEADS,
+        dropout_rate=dropout,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
+    return _seeded(seed, lambda: T5ForConditionalGeneration(config))
+
+
 def tiny_llama(seed: int = 0) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -415,6 +434,27 @@ class TinyGPT2LM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
 
+class TinyT5Seq2Seq(pl.LightningModule):
+    """An ordinary LightningModule around a tiny HF ``T5ForConditionalGeneration`` that learns to
+    copy its input (every sample has the same number of target tokens)."""
+
+    def __init__(self, seed: int = 0, lr: float = 1e-3, dropout: float = 0.1):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = tiny_t5(seed=seed, dropout=dropout)
+
+    def forward(self, batch: dict[str, torch.Tensor]):
+        return self.model(input_ids=batch["input_ids"], labels=batch["input_ids"])
+
+    def training_step(self, batch, batch_idx):
+        loss = self(batch).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
 class TinySequentialRegressor(pl.LightningModule):
     """An ordinary LightningModule around :func:`tiny_sequential` (MSE regression)."""
 
@@ -461,6 +501,7 @@ TASKS: dict[str, TinyTask] = {
     "bert": TinyTask("bert", TinyBertClassifier, RandomTokenDataset, "model.bert.encoder.layer"),
     "timm_vit": TinyTask("timm_vit", TinyViTClassifier, RandomImageDataset, "model.blocks"),
     "gpt2": TinyTask("gpt2", TinyGPT2LM, RandomTokenDataset, "model.transformer.h"),
+    "t5": TinyTask("t5", TinyT5Seq2Seq, RandomTokenDataset, "model.decoder.block"),
     "sequential": TinyTask("sequential", TinySequentialRegressor, RandomVectorDataset, "model.blocks"),
 }
 

@@ -27,6 +27,7 @@ from lightning_pipetx.strategy.checkpoint import atomic_save, gather_optimizer_s
 from lightning_pipetx.strategy.dataloading import RecordingBatchSampler, global_batch_fits, rebatch, recording
 from lightning_pipetx.strategy.engine import PipelineEngine
 from lightning_pipetx.strategy.loss_scaling import AgreedGradScaler
+from lightning_pipetx.strategy.model_checks import CollectedOutputChecks, UnsupportedOutputsError
 from lightning_pipetx.strategy.param_store import ParamStore
 from lightning_pipetx.strategy.predictions import gather_predictions
 from lightning_pipetx.strategy.stage_runner import SCHEDULES
@@ -130,6 +131,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._recorder: RecordingBatchSampler | None = None
         self._run_token = ""
         self._transition_seconds: float | None = None
+        self._cache_refusal: str | None = None
+        self._output_checks: CollectedOutputChecks | None = None
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -206,6 +209,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         self.engine = self._build_engine(self._plan(0))
         self.engine.profile_steps = self.profile_steps
         self._patch_gradient_clipping()
+        self._output_checks = CollectedOutputChecks(self.lightning_module, self._refuse_collected_outputs)
+        self._output_checks.install()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -295,6 +300,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         if self._cache is None:
             ram, spill = cache_directories(self._run_token, self.node_rank, self.cache_dir)
             self._cache = ActivationCache(ram, spill, len(dataloader.dataset), self.cache_ram_bytes)
+            if self._cache_refusal is not None:
+                self._cache.disable(self._cache_refusal + ".")
             self.engine.cache = self._cache
         return dataloader
 
@@ -333,6 +340,25 @@ class ElasticPipelineStrategy(DDPStrategy):
 
         # The norm must span every stage's gradients, not only this rank's.
         plugin.clip_gradients = clip_gradients
+
+    def _refuse_collected_outputs(self, model: str, what: str) -> None:
+        """A model was asked for outputs of every block (see :mod:`model_checks`)."""
+        engine = self._require_engine()
+        length = engine.layout.pipeline_length
+        if length > 1:
+            raise UnsupportedOutputsError(
+                f"{model} was asked for {what} under ElasticPipelineStrategy with pipeline_length={length}: each rank "
+                f"runs only some of its blocks, so the outputs of the blocks it skips would be missing. Turn {what} "
+                f"off (in the call and in the model's config), or pass ElasticPipelineStrategy(pipeline_length=1)."
+            )
+        if not self.lightning_module.trainer.training or self.cache is False:
+            return
+        reason = f"{model} was asked for {what}, which needs every block to run, and a cache hit skips the frozen ones"
+        if self.cache is True:
+            raise UnsupportedOutputsError(f"{reason}: pass cache=False (or cache='auto') to ElasticPipelineStrategy.")
+        self._cache_refusal = reason
+        if self._cache is not None and self._cache.enabled:
+            self._cache.disable(reason + ".")
 
     def _require_engine(self) -> PipelineEngine:
         if self.engine is None:
@@ -454,6 +480,9 @@ class ElasticPipelineStrategy(DDPStrategy):
         super().on_exception(exception)
 
     def teardown(self) -> None:
+        if self._output_checks is not None:
+            self._output_checks.remove()
+            self._output_checks = None
         if self._cache is not None:
             if not self._failed:
                 self.barrier("pipetx-cache")  # every rank is done with the files

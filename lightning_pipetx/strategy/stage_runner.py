@@ -213,7 +213,10 @@ class StageRunner:
         if received is None or not any(t is not None and t.requires_grad for t in received.tensors):
             return []
         return [
-            (t.grad if t.grad is not None else torch.zeros_like(t), topo.prev_rank)
+            (
+                t.grad.contiguous() if t.grad is not None else torch.zeros(t.shape, dtype=t.dtype, device=t.device),
+                topo.prev_rank,
+            )
             for t, need in zip(received.tensors, received.needs_grad)
             if need
         ]
@@ -221,7 +224,11 @@ class StageRunner:
     def _gradient_buffers(self, flight: _InFlight) -> list[torch.Tensor]:
         if self.topology.is_last_stage or flight.output is None:
             return []
-        return [torch.empty_like(t) for t, need in zip(flight.output.tensors, flight.output.needs_grad) if need]
+        return [
+            torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            for t, need in zip(flight.output.tensors, flight.output.needs_grad)
+            if need
+        ]
 
     # -------------------------------------------------------------- steps
     def train(

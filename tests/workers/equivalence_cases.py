@@ -33,6 +33,8 @@ class _Predicting:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, eps=1e-6)
 
     def predict_step(self, batch, batch_idx):
+        if getattr(getattr(self.model, "config", None), "is_encoder_decoder", False):
+            return self.model(input_ids=batch["input_ids"], decoder_input_ids=batch["input_ids"]).logits
         inputs = {k: v for k, v in batch.items() if k != "labels"} if isinstance(batch, dict) else batch[0]
         out = self.model(**inputs) if isinstance(inputs, dict) else self.model(inputs)
         return out.logits if hasattr(out, "logits") else out

@@ -30,6 +30,32 @@ def hook_counting_module() -> pl.LightningModule:
     return module
 
 
+def hidden_states_module() -> pl.LightningModule:
+    """A tiny BERT whose training step asks for every layer's hidden state (a layer-wise probe)."""
+    module = build_case_module({"model": "bert", "lr": 1e-3})
+
+    def training_step(batch, batch_idx):
+        out = module.model(**batch, output_hidden_states=True)
+        return out.loss + 0.0 * sum(h.mean() for h in out.hidden_states)
+
+    module.training_step = training_step
+    return module
+
+
+def intermediates_module() -> pl.LightningModule:
+    """A tiny timm ViT whose training step reads every block's output (forward_intermediates)."""
+    module = build_case_module({"model": "timm_vit", "lr": 1e-3})
+
+    def training_step(batch, batch_idx):
+        images, labels = batch
+        final, intermediates = module.model.forward_intermediates(images)
+        logits = module.model.forward_head(final)
+        return module.loss_fn(logits, labels) + 0.0 * sum(t.mean() for t in intermediates)
+
+    module.training_step = training_step
+    return module
+
+
 class _InfOnce:
     """A gradient hook that turns the first gradient of one parameter into inf: an overflow
     in one stage only, as fp16 produces when one block's gradients outgrow the scale."""
@@ -61,8 +87,8 @@ def random_masking(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Te
     return batch
 
 
-def train_loader(batch_size: int, sampler=None) -> DataLoader:
-    dataset = TASKS["bert"].dataset(size=32, seed=1)
+def train_loader(batch_size: int, sampler=None, task: str = "bert") -> DataLoader:
+    dataset = TASKS[task].dataset(size=32, seed=1)
     return DataLoader(dataset, batch_size=batch_size, shuffle=sampler is None, sampler=sampler)
 
 

@@ -1,6 +1,6 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline); rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | random_collate | own_sampler)
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | random_collate | own_sampler | hidden_states | intermediates)
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do) and
 "own_sampler" turns Lightning's distributed sampler off: both give the two stages different
@@ -20,7 +20,9 @@ from recipes_cases import (
     STEPS,
     fp16_module,
     fp16_plugin,
+    hidden_states_module,
     hook_counting_module,
+    intermediates_module,
     random_masking,
     train_loader,
 )
@@ -36,7 +38,12 @@ class SummaryAtFitStart(Callback):
 def main() -> None:
     out_dir, mode = sys.argv[1], sys.argv[2]
     rank = int(os.environ["RANK"])
-    module = hook_counting_module() if mode == "hooks" else fp16_module()
+    module = {
+        "hooks": hook_counting_module,
+        "fp16": fp16_module,
+        "hidden_states": hidden_states_module,
+        "intermediates": intermediates_module,
+    }.get(mode, hook_counting_module)()
     summary = SummaryAtFitStart()
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -52,7 +59,7 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    loader = train_loader(GLOBAL_BATCH)
+    loader = train_loader(GLOBAL_BATCH, task="timm_vit" if mode == "intermediates" else "bert")
     if mode == "random_collate":
         loader = torch.utils.data.DataLoader(loader.dataset, batch_size=GLOBAL_BATCH, collate_fn=random_masking)
     trainer.fit(module, loader)

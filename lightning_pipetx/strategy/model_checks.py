@@ -1,0 +1,64 @@
+"""Refuse what a model cannot compute exactly while a rank skips some of its blocks.
+
+Under a pipeline (or when AutoCache skips the frozen prefix), a rank runs only some blocks:
+what a model collects *across* blocks (hidden states or attentions of every layer, the
+router logits of a mixture of experts, timm's ``forward_intermediates``) would silently miss
+the blocks it skipped. The checks below watch for those requests on every call: Hugging Face
+models through a forward pre-hook (flags in the call or in the config), timm models through
+their ``forward_intermediates``. What the caller does about it (raise, or switch the cache off)
+is decided by ``on_request(model_name, what)``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+COLLECTED_OUTPUTS = ("output_hidden_states", "output_attentions", "output_router_logits")
+
+
+class UnsupportedOutputsError(ValueError):
+    """A model was asked for per-block outputs that a rank skipping blocks cannot give."""
+
+
+def _is_hf_model(module: nn.Module) -> bool:
+    config = getattr(module, "config", None)
+    return config is not None and hasattr(config, "to_dict") and hasattr(module, "can_generate")
+
+
+class CollectedOutputChecks:
+    """Installs the checks on every Hugging Face and timm model inside ``root``."""
+
+    def __init__(self, root: nn.Module, on_request: Callable[[str, str], None]) -> None:
+        self.root = root
+        self.on_request = on_request
+        self._handles: list[Any] = []
+        self._wrapped: list[nn.Module] = []
+
+    def install(self) -> None:
+        for module in self.root.modules():
+            if _is_hf_model(module):
+                self._handles.append(module.register_forward_pre_hook(self._check_call, with_kwargs=True))
+            elif callable(getattr(type(module), "forward_intermediates", None)):
+                original = module.forward_intermediates
+                module.forward_intermediates = functools.partial(self._intermediates, module, original)
+                self._wrapped.append(module)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        for module in self._wrapped:
+            module.__dict__.pop("forward_intermediates", None)
+        self._handles, self._wrapped = [], []
+
+    def _check_call(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        for flag in COLLECTED_OUTPUTS:
+            if kwargs.get(flag) or getattr(module.config, flag, False):
+                self.on_request(type(module).__name__, flag)
+
+    def _intermediates(self, module: nn.Module, original: Callable, *args: Any, **kwargs: Any) -> Any:
+        self.on_request(type(module).__name__, "forward_intermediates")
+        return original(*args, **kwargs)
