@@ -86,9 +86,20 @@ def test_split_batch_handles_every_structure_and_joins_back():
     assert [p["tensor"].shape[0] for p in parts] == [3, 2]
     assert parts[1]["ids"] == ["d", "e"] and parts[1]["scalar"] == 7
     assert isinstance(parts[0]["named"], pair) and isinstance(parts[0]["encoding"], BatchEncoding)
-    joined = join_outputs(parts)
+    joined = join_outputs(parts, [3, 2])
     assert torch.equal(joined["tuple"][1], x + 1) and joined["ids"] == batch["ids"]
     assert torch.equal(split_batch(x, 5)[4], x[4:])
+
+
+def test_single_numbers_in_step_outputs_are_averaged_by_microbatch_size():
+    # What the whole batch of 5 gives: a per-sample mean over 3 + 2 samples, not the last part's.
+    parts = [
+        {"acc": torch.tensor(1.0), "ratio": 0.0, "name": "a"},
+        {"acc": torch.tensor(0.5), "ratio": 1.0, "name": "b"},
+    ]
+    joined = join_outputs(parts, [3, 2])
+    torch.testing.assert_close(joined["acc"], torch.tensor(0.8))
+    assert joined["ratio"] == pytest.approx(0.4) and joined["name"] == "b"
 
 
 def test_a_batch_smaller_than_the_microbatch_count_uses_one_sample_each():

@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import fsspec
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from torch import nn
 from torch.optim import Optimizer
 
@@ -62,7 +62,7 @@ def _to_cpu(value: Any) -> Any:
 def atomic_save(checkpoint_io: CheckpointIO, checkpoint: dict[str, Any], filepath: str) -> None:
     """Write through ``checkpoint_io`` to a temporary file, then rename it into place."""
     path = os.fspath(filepath)
-    if not _is_local_file_protocol(path):
+    if fsspec.utils.get_protocol(path) != "file":  # a remote store: no rename
         checkpoint_io.save_checkpoint(checkpoint, path)
         return
     partial = f"{path}.partial"

@@ -12,12 +12,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.distributed import ReduceOp
+from torch.distributed.constants import default_pg_timeout
 from torch.utils.data import DataLoader
 
 from lightning_pipetx.blocks import BlockSplit, find_blocks
@@ -26,8 +26,10 @@ from lightning_pipetx.strategy.cache import ActivationCache, cache_directories, 
 from lightning_pipetx.strategy.checkpoint import atomic_save, gather_optimizer_state
 from lightning_pipetx.strategy.dataloading import RecordingBatchSampler, global_batch_fits, rebatch, recording
 from lightning_pipetx.strategy.engine import PipelineEngine
+from lightning_pipetx.strategy.lightning_compat import check_lightning_internals
 from lightning_pipetx.strategy.loss_scaling import AgreedGradScaler
 from lightning_pipetx.strategy.model_checks import CollectedOutputChecks, UnsupportedOutputsError
+from lightning_pipetx.strategy.output_relay import EvalMetricGroups
 from lightning_pipetx.strategy.param_store import ParamStore
 from lightning_pipetx.strategy.predictions import gather_predictions
 from lightning_pipetx.strategy.stage_runner import SCHEDULES
@@ -108,6 +110,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         if cache not in ("auto", True, False):
             raise ValueError(f"ElasticPipelineStrategy(cache={cache!r}): use 'auto', True or False.")
         super().__init__(**kwargs)
+        self.timeout = kwargs.get("timeout") or default_pg_timeout
         self.pipeline_length = pipeline_length
         self.num_microbatches = num_microbatches
         self.schedule = schedule
@@ -133,6 +136,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._transition_seconds: float | None = None
         self._cache_refusal: str | None = None
         self._output_checks: CollectedOutputChecks | None = None
+        self._eval_metrics = EvalMetricGroups()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -191,6 +195,7 @@ class ElasticPipelineStrategy(DDPStrategy):
     # --------------------------------------------------------------- setup
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
+        check_lightning_internals(trainer)
         self.accelerator.setup(trainer)
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:  # precision="16-mixed": one scale and one overflow decision for all stages
@@ -215,7 +220,14 @@ class ElasticPipelineStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            self._optimizer_state_to(self.root_device)
+
+    def _optimizer_state_to(self, device: torch.device) -> None:
+        for optimizer in self.optimizers:
+            for state in optimizer.state.values():
+                for key, value in state.items():
+                    if key != "step":  # optimizers keep their step count where they made it
+                        state[key] = move_data_to_device(value, device)
 
     def _build_engine(self, plan: Plan) -> PipelineEngine:
         engine = PipelineEngine(
@@ -226,7 +238,7 @@ class ElasticPipelineStrategy(DDPStrategy):
             self.global_rank,
             self.root_device,
             self.schedule,
-            self._timeout,
+            self.timeout,
         )
         engine.cache, engine.frozen, engine.force_cache = self._cache, self._frozen, self.cache is True
         scaler = getattr(self.precision_plugin, "scaler", None)
@@ -412,28 +424,55 @@ class ElasticPipelineStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         self._require_engine().check_batches()
 
+    def on_validation_start(self) -> None:
+        self._evaluation_starts()
+
     def on_validation_end(self) -> None:
-        self._require_engine().check_batches()
+        self._evaluation_ends()
+
+    def on_test_start(self) -> None:
+        self._evaluation_starts()
 
     def on_test_end(self) -> None:
+        self._evaluation_ends()
+
+    def on_predict_start(self) -> None:
+        self._evaluation_starts()
+
+    def _evaluation_starts(self) -> None:
+        engine = self._require_engine()
+        if engine.layout.pipeline_length > 1:  # every stage updates its metrics in evaluation steps
+            self._eval_metrics.enter(self.lightning_module, engine.topology.stage_group)
+
+    def _evaluation_ends(self) -> None:
+        self._eval_metrics.exit()
         self._require_engine().check_batches()
 
     def on_predict_end(self) -> None:
+        self._evaluation_ends()
         engine = self._require_engine()
-        engine.check_batches()
         loop = self.lightning_module.trainer.predict_loop
-        # The loop returns these lists after this hook: reorder them in place.
-        for predictions in loop._predictions:
-            predictions[:] = gather_predictions(predictions, engine.topology, self.root_device)
+        if not loop.return_predictions:
+            return
+        # The loop returns these lists after this hook: gather into them in place.
+        predictions = loop.predictions
+        for per_loader in [predictions] if loop.num_dataloaders == 1 else predictions:
+            per_loader[:] = gather_predictions(per_loader, engine.topology)
 
     # ---------------------------------------------------- collectives
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        """Reduce over the replicas (the stage group): every stage holds the same logged values."""
-        if not isinstance(tensor, torch.Tensor):
-            return tensor
+        """Reduce over the replicas (this stage's group): every stage holds the same logged values."""
         if group is None and self.engine is not None:
             group = self.engine.topology.stage_group
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+        """Gather over the replicas (this stage's group): one entry per data-parallel replica, as
+        DDP gives one per rank. In ``training_step`` the code after the model call runs on the last
+        stages only, and they gather among themselves."""
+        if group is None and self.engine is not None:
+            group = self.engine.topology.stage_group
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         if not (dist.is_available() and dist.is_initialized()):

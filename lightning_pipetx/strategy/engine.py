@@ -8,7 +8,7 @@ gradient synchronisation and the released block weights.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -20,12 +20,13 @@ from lightning_pipetx.blocks import BlockSplit
 from lightning_pipetx.strategy.autopipe import Plan
 from lightning_pipetx.strategy.cache import ActivationCache, sample_fingerprints
 from lightning_pipetx.strategy.grad_sync import DEFAULT_BUCKET_BYTES, GradientSync
-from lightning_pipetx.strategy.log_replay import LogRecorder, replay
+from lightning_pipetx.strategy.log_replay import LogRecorder, LogShare, replay
 from lightning_pipetx.strategy.microbatch import batch_size, join_outputs, split_batch
+from lightning_pipetx.strategy.output_relay import OutputRelay
 from lightning_pipetx.strategy.p2p import Activation, Channel
 from lightning_pipetx.strategy.param_store import ParamStore, gather_block_state
-from lightning_pipetx.strategy.stage_hooks import StageHooks
-from lightning_pipetx.strategy.stage_runner import StageRunner, no_microbatch_context
+from lightning_pipetx.strategy.stage_hooks import StageExit, StageHooks
+from lightning_pipetx.strategy.stage_runner import StageRunner, extract_loss, no_microbatch_context
 from lightning_pipetx.strategy.topology import Topology
 from lightning_pipetx.strategy.transition import broadcast_shared
 
@@ -60,6 +61,9 @@ class PipelineEngine:
         self.hooks = StageHooks(split.blocks, start, end, self.topology.is_last_stage)
         self.hooks.install()
         self.runner = StageRunner(self.topology, self.hooks, Channel(device, timeout))
+        self.relay = OutputRelay(module, split.path, self.topology, self.hooks, self.runner, device)
+        if plan.layout.pipeline_length > 1:
+            self.relay.install()
         self.store = store
         store.release(self.block_range)
 
@@ -74,6 +78,7 @@ class PipelineEngine:
         )
         self.runner.on_last_backward = self.grad_sync.arm
         self.recorder = LogRecorder(module)
+        self.log_share = LogShare(self.topology, device)
         self.profile_steps = 0  # training steps still to time, after one warm-up step
         self._steps = 0
         self.cache: ActivationCache | None = None  # AutoCache, on the first stage only
@@ -170,38 +175,35 @@ class PipelineEngine:
             self.runner.microbatch_context = no_microbatch_context
             self.grad_sync.end_step()
 
-        loss = None
+        logs = loss = None
         if self.topology.is_last_stage:
-            loss = sum(
-                float((o["loss"] if isinstance(o, dict) else o).detach()) * n / total for o, n in zip(outputs, sizes)
-            )
-        loss = self._share_logs(loss)
-        result = torch.tensor(loss, device=self.device)
-        last = outputs[-1]
-        if isinstance(last, dict):
-            return {**last, "loss": result}
-        return result
+            loss = sum(extract_loss(o).detach().to(torch.float64) * (n / total) for o, n in zip(outputs, sizes))
+            loss = loss.to(torch.get_default_dtype())
+            logs = self.recorder.merged(self.device)
+        logs, loss = self.log_share.exchange(logs, loss)
+        replay(self.module, logs, received=not self.topology.is_last_stage)
+        if self.topology.is_last_stage and isinstance(outputs[-1], Mapping):
+            with torch.no_grad():  # the other outputs, as the whole batch would have them
+                joined = join_outputs(outputs, sizes)
+            return {**joined, "loss": loss}
+        return loss
 
     def eval_step(self, step: Callable[..., Any], batch: Any, args: tuple, kwargs: dict) -> Any:
-        """Forwards of one batch; the last stage's outputs joined into one, None elsewhere."""
-        microbatches, sizes = self._microbatches(batch)
-        with self.recorder.capture():
-            outputs = self.runner.evaluate(microbatches, self._step_fn(step, args, kwargs, sizes))
-        self._share_logs(None)
-        if not self.topology.is_last_stage or all(o is None for o in outputs):
-            return None
-        return join_outputs(outputs)
-
-    def _share_logs(self, loss: float | None) -> float | None:
-        """Send the last stage's merged ``self.log`` calls (and loss) to every stage, and log them."""
-        message = [(self.recorder.merged(), loss) if self.topology.is_last_stage else None]
-        if self.layout.pipeline_length > 1:
-            dist.broadcast_object_list(
-                message, src=self.topology.last_stage_rank, group=self.topology.replica_group, device=self.device
-            )
-        calls, loss = message[0]
-        replay(self.module, calls, self.device)
-        return loss
+        """One evaluation step on the whole batch, run to its end on every stage: the model
+        call returns the last stage's output everywhere (see :mod:`output_relay`)."""
+        if self.layout.pipeline_length == 1:
+            return step(batch, *args, **kwargs)
+        self.relay.begin(batch)
+        try:
+            return step(batch, *args, **kwargs)
+        except StageExit:
+            raise RuntimeError(
+                f"the evaluation step ran the blocks of {self.split.path!r} without calling a module that holds "
+                f"them (the LightningModule, or one on the way to the blocks): under ElasticPipelineStrategy "
+                f"call the model, not its blocks one by one, in validation, test and predict steps."
+            ) from None
+        finally:
+            self.relay.end()
 
     def check_batches(self) -> None:
         """Raise if the stages of this replica read different batches since the last check."""
@@ -242,6 +244,7 @@ class PipelineEngine:
     def close(self, restore_weights: bool, destroy_groups: bool = True) -> None:
         """Remove the hooks; bring every block back on every rank; free the process groups."""
         self.hooks.remove()
+        self.relay.remove()
         self.grad_sync.close()
         if restore_weights:
             self.store.restore_all(self.layout, self.bounds)

@@ -1,43 +1,63 @@
-"""Make ``self.log`` behave as in single-process training, on every stage.
+"""Make ``self.log`` in ``training_step`` behave as in single-process training, on every stage.
 
-The user's step runs once per micro-batch, and only the last stage reaches the loss and
-the metrics. :class:`LogRecorder` captures the ``self.log`` calls of a step, merges them
-per name into the value the whole batch would have logged (weighted by micro-batch
-size), and the merged calls are replayed on every stage of the replica. Every rank then
-holds the same logged values: ``callback_metrics``, ``ModelCheckpoint(monitor=...)``,
-``EarlyStopping``, the progress bar and the loggers behave as in single-process runs.
+The user's training step runs once per micro-batch, and only the last stage reaches the loss
+and the metrics. :class:`LogRecorder` captures the ``self.log`` calls of a step and merges
+them per name, on the device, into the value the whole batch would have logged (weighted by
+micro-batch size, or by the ``batch_size`` a call gave); :class:`LogShare` sends the merged
+values and the loss from the last stage to the other stages of the replica, and
+:func:`replay` issues them through the module's real ``self.log``. Every rank then holds the
+same logged values: ``callback_metrics``, ``ModelCheckpoint(monitor=...)``, ``EarlyStopping``,
+the progress bar and the loggers behave as in single-process runs.
 
-torchmetrics objects are logged by name: the non-last stages log their own (never
-updated) copy, whose state is the neutral element, so the metric's own sync over all
-ranks at ``compute()`` gives every rank the value over all replicas.
+The values and the loss travel as one tensor broadcast over the replica; the calls' names and
+options are pickled only when they change. The last stage replays its own device tensors, so
+the rank that the loggers and the progress bar read never waits for the device here.
+
+torchmetrics objects are logged by name: the non-last stages log their own (never updated)
+copy, whose state is the neutral element, so the metric's own sync over all ranks at
+``compute()`` gives every rank the value over all replicas; its value for the step (what
+``on_step=True`` shows) is the last stage's.
+
+Evaluation steps run to their end on every stage (see :mod:`output_relay`) and log directly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from torchmetrics import Metric
 
+from lightning_pipetx.strategy.topology import Topology
+
 _REDUCERS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
+_LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
+
+
+@dataclass(frozen=True)
+class LogSpec:
+    """One merged ``self.log`` call without its value: what travels pickled when it changes."""
+
+    name: str
+    metric_path: str | None  # set when a torchmetrics Metric was logged
+    has_value: bool  # False for a metric without a single-number value for the step
+    options: tuple[tuple[str, Any], ...]  # the call's keyword arguments, without batch_size
 
 
 @dataclass
-class LogCall:
-    """One merged ``self.log`` call, ready to travel between ranks."""
+class MergedLogs:
+    """The merged calls of one step: a value (device tensor, Python number, or None for a
+    metric without one) and a batch size per call."""
 
-    name: str
-    value: float | None  # the merged value, or the metric's forward value
-    metric_path: str | None  # set when a torchmetrics Metric was logged
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-def _as_float(value: Any) -> float:
-    return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+    specs: tuple[LogSpec, ...] = ()
+    values: list[Any] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)
 
 
 def _reduce_name(reduce_fx: Any) -> str:
@@ -46,12 +66,38 @@ def _reduce_name(reduce_fx: Any) -> str:
     return {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}.get(reduce_fx, "mean")
 
 
+def _scalar(value: Any, name: str, device: torch.device) -> torch.Tensor:
+    """``value`` as a 0-dim float64 tensor, without a host synchronisation."""
+    if not isinstance(value, torch.Tensor):
+        return torch.full((), float(value), dtype=torch.float64, device=device)
+    if value.numel() != 1:
+        raise ValueError(f"self.log({name!r}, value): value has {value.numel()} elements; log a single number.")
+    return value.detach().reshape(()).to(device, torch.float64)
+
+
+def _merge(values: list[Any], weights: list[float], how: str, name: str, device: torch.device) -> Any:
+    """The value the whole batch would have logged, from one value per micro-batch."""
+    total = sum(weights)
+    if not any(isinstance(v, torch.Tensor) for v in values):  # Python numbers stay on the host
+        numbers = [float(v) for v in values]
+        if how in ("max", "min"):
+            return max(numbers) if how == "max" else min(numbers)
+        return sum(numbers) if how == "sum" else sum(v * w for v, w in zip(numbers, weights)) / total
+    tensors = [_scalar(v, name, device) for v in values]
+    if how in ("max", "min"):
+        stacked = torch.stack(tensors)
+        return stacked.max() if how == "max" else stacked.min()
+    if how == "sum":
+        return sum(tensors)
+    return sum(t * (w / total) for t, w in zip(tensors, weights))
+
+
 class LogRecorder:
-    """Captures ``self.log`` calls made by the user's step on each micro-batch."""
+    """Captures the ``self.log`` calls the user's training step makes on each micro-batch."""
 
     def __init__(self, module: pl.LightningModule) -> None:
         self.module = module
-        self._calls: dict[str, list[tuple[Any, dict[str, Any], int]]] = {}
+        self._calls: dict[str, list[tuple[Any, dict[str, Any], float]]] = {}
         self._weight = 1
 
     @contextlib.contextmanager
@@ -67,47 +113,100 @@ class LogRecorder:
         """Samples in the micro-batch whose calls follow."""
         self._weight = weight
 
-    def _record(self, name: str, value: Any, **kwargs: Any) -> None:
-        kwargs.pop("batch_size", None)
-        self._calls.setdefault(name, []).append((value, kwargs, self._weight))
+    def _record(self, *args: Any, **kwargs: Any) -> None:
+        arguments = _LOG_SIGNATURE.bind(self.module, *args, **kwargs).arguments
+        arguments.pop("self")
+        name, value = arguments.pop("name"), arguments.pop("value")
+        batch_size = arguments.pop("batch_size", None)
+        weight = self._weight if batch_size is None else batch_size
+        self._calls.setdefault(name, []).append((value, arguments, weight))
 
-    def merged(self) -> list[LogCall]:
+    def merged(self, device: torch.device) -> MergedLogs:
         """One call per name, in first-logged order, as the whole batch would have logged it."""
         metric_names = {id(m): n for n, m in self.module.named_modules() if isinstance(m, Metric)}
-        result = []
+        specs, values, sizes = [], [], []
         for name, calls in self._calls.items():
-            value, kwargs, _ = calls[-1]
-            total = sum(w for _, _, w in calls)
-            kwargs = {**kwargs, "batch_size": total}
+            value, options, _ = calls[-1]
+            weights = [w for _, _, w in calls]
+            frozen_options = tuple(sorted(options.items()))
             if isinstance(value, Metric):
                 if id(value) not in metric_names:
                     raise ValueError(f"self.log({name!r}, metric): the metric must be an attribute of the module")
-                cache = value._forward_cache
-                forward_value = float(cache) if isinstance(cache, torch.Tensor) and cache.numel() == 1 else None
-                result.append(LogCall(name, forward_value, metric_names[id(value)], kwargs))
-                continue
-            values = torch.tensor([_as_float(v) for v, _, _ in calls], dtype=torch.float64)
-            weights = torch.tensor([w for _, _, w in calls], dtype=torch.float64)
-            how = _reduce_name(kwargs.get("reduce_fx", "mean"))
-            if how == "sum":
-                merged = values.sum()
-            elif how == "max":
-                merged = values.max()
-            elif how == "min":
-                merged = values.min()
+                step_value = value._forward_cache
+                known = isinstance(step_value, torch.Tensor) and step_value.numel() == 1
+                specs.append(LogSpec(name, metric_names[id(value)], known, frozen_options))
+                values.append(step_value.detach().reshape(()) if known else None)
             else:
-                merged = (values * weights).sum() / weights.sum()
-            result.append(LogCall(name, float(merged), None, kwargs))
-        return result
+                how = _reduce_name(options.get("reduce_fx", "mean"))
+                specs.append(LogSpec(name, None, True, frozen_options))
+                values.append(_merge([v for v, _, _ in calls], weights, how, name, device))
+            sizes.append(int(sum(weights)))
+        return MergedLogs(tuple(specs), values, sizes)
 
 
-def replay(module: pl.LightningModule, calls: list[LogCall], device: torch.device) -> None:
-    """Issue the merged calls through the module's real ``self.log``."""
-    for call in calls:
-        if call.metric_path is not None:
-            metric = module.get_submodule(call.metric_path)
-            if call.value is not None:
-                metric._forward_cache = torch.tensor(call.value, device=device)
-            module.log(call.name, metric, **call.kwargs)
-        else:
-            module.log(call.name, torch.tensor(call.value, device=device, dtype=torch.float32), **call.kwargs)
+def _message_length(specs: tuple[LogSpec, ...]) -> int:
+    return 2 + 2 * len(specs)  # changed flag, loss, then (value, batch size) per call
+
+
+class LogShare:
+    """Sends the last stage's merged logs and loss to every stage of its replica.
+
+    One float64 tensor per step: ``[changed, loss, value_1, batch_size_1, ...]``, its length
+    fixed by the calls of the previous step. When the calls changed, the flag is set, and the
+    new calls (pickled) and their values follow."""
+
+    def __init__(self, topology: Topology, device: torch.device) -> None:
+        self.topology = topology
+        self.device = device
+        self._specs: tuple[LogSpec, ...] = ()
+
+    def exchange(self, logs: MergedLogs | None, loss: torch.Tensor | None) -> tuple[MergedLogs, torch.Tensor]:
+        """Every stage gets the last stage's ``(logs, loss)``."""
+        topo = self.topology
+        if topo.pipeline_length == 1:
+            return logs, loss
+        src, group = topo.last_stage_rank, topo.replica_group
+        if topo.is_last_stage:
+            entries = [loss]
+            for value, size in zip(logs.values, logs.batch_sizes):
+                entries.append(_scalar(float("nan") if value is None else value, "", self.device))
+                entries.append(_scalar(size, "", self.device))
+            values = torch.stack([e.to(self.device, torch.float64) for e in entries])
+            changed = logs.specs != self._specs
+            if not changed:
+                dist.broadcast(torch.cat([values.new_zeros(1), values]), src=src, group=group)
+                return logs, loss
+            flag = values.new_zeros(_message_length(self._specs))
+            flag[0] = 1.0
+            dist.broadcast(flag, src=src, group=group)
+            dist.broadcast_object_list([logs.specs], src=src, group=group, device=self.device)
+            dist.broadcast(values, src=src, group=group)
+            self._specs = logs.specs
+            return logs, loss
+        message = torch.empty(_message_length(self._specs), dtype=torch.float64, device=self.device)
+        dist.broadcast(message, src=src, group=group)
+        values = message[1:]
+        if message[0].item():  # the calls changed (a host read on this rank only)
+            specs: list[Any] = [None]
+            dist.broadcast_object_list(specs, src=src, group=group, device=self.device)
+            self._specs = specs[0]
+            values = torch.empty(_message_length(self._specs) - 1, dtype=torch.float64, device=self.device)
+            dist.broadcast(values, src=src, group=group)
+        sizes = [int(size) for size in values[2::2].tolist()]
+        step_values = [v if spec.has_value else None for spec, v in zip(self._specs, values[1::2].unbind())]
+        return MergedLogs(self._specs, step_values, sizes), values[0].to(torch.get_default_dtype())
+
+
+def replay(module: pl.LightningModule, logs: MergedLogs, received: bool) -> None:
+    """Issue the merged calls through the module's real ``self.log``; ``received``: the values
+    came from the last stage (a metric's step value is then set on this rank's copy)."""
+    dtype = torch.get_default_dtype()
+    for spec, value, size in zip(logs.specs, logs.values, logs.batch_sizes):
+        options = dict(spec.options, batch_size=size)
+        if spec.metric_path is None:
+            module.log(spec.name, value.to(dtype) if isinstance(value, torch.Tensor) else value, **options)
+            continue
+        metric = module.get_submodule(spec.metric_path)
+        if received and value is not None:
+            metric._forward_cache = value.to(dtype)
+        module.log(spec.name, metric, **options)

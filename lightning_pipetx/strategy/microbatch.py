@@ -96,13 +96,23 @@ def split_batch(batch: Any, num_microbatches: int) -> list[Any]:
     return _split(batch, size, chunk_sizes(size, num_microbatches))
 
 
-def join_outputs(outputs: list[Any]) -> Any:
-    """Join per-micro-batch outputs (tensors concatenated along dim 0) into one."""
+def join_outputs(outputs: list[Any], sizes: list[int]) -> Any:
+    """Join per-micro-batch outputs into what the whole batch would have given.
+
+    Tensors with a batch dimension are concatenated along dim 0 and per-sample lists joined;
+    single numbers (0-dim tensors, Python floats) are averaged weighted by the micro-batch
+    ``sizes``, as the loss is; any other value is the last micro-batch's.
+    """
     first = outputs[0]
     if isinstance(first, torch.Tensor):
-        return first if first.dim() == 0 else torch.cat(outputs, dim=0)
+        if first.dim() > 0:
+            return torch.cat(outputs, dim=0)
+        total = sum(sizes)
+        return sum(o * (n / total) for o, n in zip(outputs, sizes))
+    if isinstance(first, float):
+        return sum(o * n for o, n in zip(outputs, sizes)) / sum(sizes)
     if isinstance(first, Mapping):
-        joined = {k: join_outputs([o[k] for o in outputs]) for k in first}
+        joined = {k: join_outputs([o[k] for o in outputs], sizes) for k in first}
         try:
             return type(first)(joined)
         except TypeError:
@@ -110,8 +120,8 @@ def join_outputs(outputs: list[Any]) -> Any:
     if isinstance(first, (list, tuple)):
         if first and not _tensors(first):
             return _rebuild(first, [item for o in outputs for item in o])
-        return _rebuild(first, [join_outputs([o[i] for o in outputs]) for i in range(len(first))])
-    return first
+        return _rebuild(first, [join_outputs([o[i] for o in outputs], sizes) for i in range(len(first))])
+    return outputs[-1]
 
 
 def take(obj: Any, indices: list[int]) -> Any:

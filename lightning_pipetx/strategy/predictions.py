@@ -1,39 +1,62 @@
-"""Gather ``trainer.predict`` results from every replica, in dataset order, on global rank 0."""
+"""Gather ``trainer.predict`` results from every replica on global rank 0.
+
+Every stage of a replica computes the same predictions (evaluation steps run to their end on
+every stage), so every rank holds its replica's shard, as under DDP. Global rank 0 also
+receives the other replicas' shards, from their last stages, and returns all predictions:
+
+* in dataset order, re-batched with the first batch's size, when the batches can be joined
+  (their tensors agree in every dimension but the first): Lightning's prediction sampler
+  gives replica ``r`` of ``D`` the samples ``r, r + D, r + 2D, ...`` without padding, and
+  the shards are interleaved back;
+* otherwise (per-token outputs whose length changes from batch to batch, or predictions
+  without a batch dimension) every batch as it was produced, interleaved by batch: batch 0
+  of replica 0, batch 0 of replica 1, ..., batch 1 of replica 0, ...; sample ``i`` of batch
+  ``b`` of replica ``r`` is dataset sample ``r + D * (b * batch_size + i)``.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from lightning_pipetx.strategy.microbatch import batch_size, chunk, join_outputs, take
+from lightning_pipetx.strategy.microbatch import BatchSplitError, _tensors, batch_size, chunk, join_outputs, take
 from lightning_pipetx.strategy.topology import Topology
 
 
-def gather_predictions(local: list[Any], topology: Topology, device: torch.device) -> list[Any]:
-    """Every stage gets its replica's predictions; global rank 0 gets all, in dataset order.
-
-    Only the last stage computes predictions; it shares them with the other stages of its
-    replica, so every rank holds its data-parallel shard, as under DDP. Lightning's
-    prediction sampler gives replica ``r`` the samples ``r, r + D, r + 2D, ...`` without
-    padding; on rank 0 the shards are interleaved back and re-batched with the first
-    batch's size, as a single process would have produced them.
-    """
-    if topology.pipeline_length > 1:
-        message = [local if topology.is_last_stage else None]
-        dist.broadcast_object_list(message, src=topology.last_stage_rank, group=topology.replica_group, device=device)
-        local = message[0]
-    replicas = topology.replicas
-    if replicas == 1 or not topology.is_last_stage or not local:
+def gather_predictions(local: list[Any], topology: Topology) -> list[Any]:
+    """This rank's predictions; on global rank 0, every replica's (a collective over the last stages)."""
+    if topology.replicas == 1 or not topology.is_last_stage:
         return local
-    gathered: list[Any] | None = [None] * replicas if topology.global_rank == 0 else None
-    dist.gather_object(local, gathered, dst=0, group=topology.stage_group)
+    gathered: list[Any] | None = [None] * topology.replicas if topology.global_rank == 0 else None
+    dist.gather_object(local, gathered, dst=0, group=topology.stage_group)  # a replica without batches too
     if topology.global_rank != 0:
         return local
-    per_replica = [join_outputs(batches) for batches in gathered]
-    counts = [batch_size(p) for p in per_replica]
+    return merge_shards(gathered)
+
+
+def _joinable(batches: list[Any]) -> bool:
+    try:
+        for batch in batches:
+            batch_size(batch)
+    except BatchSplitError:
+        return False
+    shapes = [[(t.dim(), t.shape[1:]) for t in _tensors(batch)] for batch in batches]
+    return all(s == shapes[0] for s in shapes) and all(dim > 0 for dim, _ in shapes[0])
+
+
+def merge_shards(shards: list[list[Any]]) -> list[Any]:
+    """All replicas' predictions (``shards[r]``: replica ``r``'s batches), in the documented order."""
+    batches = [batch for shard in shards for batch in shard]
+    if not batches:
+        return []
+    replicas = len(shards)
+    if not _joinable(batches):
+        longest = max(len(shard) for shard in shards)
+        return [shards[r][b] for b in range(longest) for r in range(replicas) if b < len(shards[r])]
+    joined = [join_outputs(shard, [batch_size(b) for b in shard]) for shard in shards if shard]
+    counts = [sum(batch_size(b) for b in shard) for shard in shards]
     offsets = [sum(counts[:r]) for r in range(replicas)]
     order = [offsets[j % replicas] + j // replicas for j in range(sum(counts))]
-    merged = take(join_outputs(per_replica), order)
-    return chunk(merged, batch_size(local[0]))
+    merged = join_outputs(joined, [c for c in counts if c])
+    return chunk(take(merged, order), batch_size(batches[0]))

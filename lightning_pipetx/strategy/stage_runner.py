@@ -1,9 +1,11 @@
 """Runs one rank's stage over the micro-batches of a step: GPipe or 1F1B.
 
-The user's step function (``training_step`` and friends, unchanged) is called once per
-micro-batch on every stage; :class:`StageHooks` make it run only this stage's blocks.
-Training runs the whole schedule, forwards and backwards, inside Lightning's
-``training_step``; the gradients are handed to Lightning's ``backward`` by the strategy.
+The user's ``training_step`` (unchanged) is called once per micro-batch on every stage;
+:class:`StageHooks` make it run only this stage's blocks. Training runs the whole schedule,
+forwards and backwards, inside Lightning's ``training_step``; the gradients are handed to
+Lightning's ``backward`` by the strategy. Evaluation steps exchange their hidden states
+through :meth:`StageRunner.receive_activation` and :meth:`StageRunner.send_activation`,
+called by :mod:`~lightning_pipetx.strategy.output_relay`.
 
 Communication follows :func:`communication_plan`: before each action, the sends the previous
 action produced and the receives this action needs are posted as one batch (an NCCL group),
@@ -163,6 +165,15 @@ class StageRunner:
         header = act.header(batch_fingerprint(microbatch, act.tensor.device))
         return [(header, nxt)] + [(t.detach().contiguous(), nxt) for t in act.tensors if t is not None]
 
+    def receive_activation(self, microbatch: Any) -> Activation:
+        """Receive the hidden state of ``microbatch`` from the previous stage (evaluation)."""
+        return self._receive_activation([], microbatch)
+
+    def send_activation(self, act: Activation, microbatch: Any) -> None:
+        """Send the hidden state of ``microbatch`` on to the next stage (evaluation)."""
+        self.channel.exchange(self._activation_sends(act, microbatch), [])
+        self.channel.flush()
+
     def check_batches(self) -> None:
         """Raise if a micro-batch differed from the one the previous stage read (a host read)."""
         mismatches, self._mismatches = self._mismatches, None
@@ -263,21 +274,6 @@ class StageRunner:
                 grads = self._gradient_buffers(flight)
                 self.channel.exchange(outbox, [(g, topo.next_rank) for g in grads])
                 outbox = self._backward(flight, loss_weights[i], grads)
-        self.channel.exchange(outbox, [])
-        self.channel.flush()
-        return outputs
-
-    def evaluate(self, microbatches: Sequence[Any], step_fn: Callable[[Any], Any]) -> list[Any]:
-        """Forwards only; returns the last stage's step outputs."""
-        outputs, outbox = [], []
-        for i, microbatch in enumerate(microbatches):
-            if self.topology.is_first_stage:
-                self.channel.exchange(outbox, [])
-                incoming = None
-            else:
-                incoming = self._receive_activation(outbox, microbatch)
-            flight, outbox = self._forward(microbatch, step_fn, i, incoming)
-            outputs.append(flight.output)
         self.channel.exchange(outbox, [])
         self.channel.flush()
         return outputs

@@ -1,0 +1,85 @@
+"""The few non-public parts of Lightning and torchmetrics that the strategy relies on.
+
+Lightning has no public hook for these. Each is checked when the strategy is set up, so that
+a release that renamed or removed one fails at once, with a message naming it and the
+supported versions, instead of training silently wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import lightning
+import lightning.pytorch as pl
+import torchmetrics
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+
+SUPPORTED_VERSIONS = "lightning>=2.4,<2.7 (tested with 2.6.6) and torchmetrics>=1.0,<2.0 (tested with 1.9)"
+
+
+class UnsupportedLightningError(RuntimeError):
+    """The installed Lightning or torchmetrics lacks something the strategy relies on."""
+
+
+@dataclass(frozen=True)
+class Internal:
+    """One non-public attribute, what it is used for, and how to tell it is still there."""
+
+    name: str
+    use: str
+    present: Callable[[pl.Trainer], bool]
+
+
+def _metric_has_forward_cache(trainer: pl.Trainer) -> bool:
+    return hasattr(torchmetrics.SumMetric(), "_forward_cache")
+
+
+def _loader_takes_a_new_batch_sampler(trainer: pl.Trainer) -> bool:
+    loader = DataLoader(range(4), batch_size=2)
+    replacement = BatchSampler(SequentialSampler(range(3)), batch_size=3, drop_last=False)
+    object.__setattr__(loader, "batch_sampler", replacement)
+    return [len(batch) for batch in loader] == [3]
+
+
+INTERNALS = (
+    Internal(
+        "Trainer.fit_loop._combined_loader",
+        "set to None after a transition, so that the training DataLoader is rebuilt for the new replica count",
+        lambda trainer: hasattr(trainer.fit_loop, "_combined_loader"),
+    ),
+    Internal(
+        "Trainer.fit_loop.epoch_loop.val_loop._combined_loader",
+        "set to None after a transition, so that the validation DataLoader is rebuilt for the new replica count",
+        lambda trainer: hasattr(trainer.fit_loop.epoch_loop.val_loop, "_combined_loader"),
+    ),
+    Internal(
+        "torchmetrics.Metric._forward_cache",
+        "a logged metric's value for the step, given to the stages that do not compute it in training_step",
+        _metric_has_forward_cache,
+    ),
+    # Used by AutoCache and gradient clipping at the time of writing: drop an entry when its use goes.
+    Internal(
+        "DataLoader.batch_sampler (replaced on a built DataLoader)",
+        "AutoCache records the dataset indices of every training batch",
+        _loader_takes_a_new_batch_sampler,
+    ),
+    Internal(
+        "PrecisionPlugin.clip_gradients (replaced on the instance)",
+        "gradient clipping by the norm over every stage's gradients",
+        lambda trainer: callable(getattr(trainer.precision_plugin, "clip_gradients", None)),
+    ),
+)
+
+
+def check_lightning_internals(trainer: pl.Trainer, internals: tuple[Internal, ...] = INTERNALS) -> None:
+    """Raise :class:`UnsupportedLightningError` naming every relied-on attribute that is missing."""
+    missing = [internal for internal in internals if not internal.present(trainer)]
+    if not missing:
+        return
+    names = "; ".join(f"{internal.name} ({internal.use})" for internal in missing)
+    raise UnsupportedLightningError(
+        f"ElasticPipelineStrategy relies on parts of Lightning and torchmetrics that the installed versions "
+        f"(lightning {lightning.__version__}, torchmetrics {torchmetrics.__version__}) do not have: {names}. "
+        f"Install a supported version: {SUPPORTED_VERSIONS}."
+    )
