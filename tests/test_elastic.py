@@ -60,3 +60,19 @@ def test_fit_validate_and_checkpoints_complete(elastic_run):
     assert report["metrics"]["pipetx/replicas"] == 4.0
     # AutoCache ran across the transitions: depth-2 states cached under 2x2, read back at depth 3 under 1x4.
     assert report["metrics"]["pipetx/cache_ram_bytes"] > 0
+
+
+def test_block_buffers_move_with_their_blocks(tmp_path):
+    # A tiny HF ResNet keeps BatchNorm statistics in every block; its layout goes
+    # 2x1 (blocks 0-1 | 2-3) -> 2x1 (0-2 | 3) -> 1x2 as blocks freeze.
+    run_workers("buffers_worker.py", 2, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"buffers_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [e["layout"] for e in ranks[0]["epochs"]] == ["2x1", "2x1", "1x2"]
+    # Rank 1 (the first stage) takes over block 2 with the statistics rank 0 gathered in epoch 0.
+    moved = ranks[1]["epochs"][1]["blocks"][2]
+    assert moved == ranks[0]["epochs"][1]["blocks"][2] and moved[2] > 0
+    # In 1x2 every rank runs every block, each with the statistics of the rank that ran it.
+    start_1x2 = [r["epochs"][2]["blocks"] for r in ranks]
+    assert start_1x2[0] == start_1x2[1] and all(block[2] > 0 for block in start_1x2[0])
+    # After fit every rank holds replica 0's statistics (as the checkpoint does).
+    assert ranks[0]["final"] == ranks[1]["final"]

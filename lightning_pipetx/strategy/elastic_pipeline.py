@@ -6,6 +6,7 @@ import contextlib
 import logging
 import time
 import uuid
+import zlib
 from collections.abc import Generator
 from typing import Any
 
@@ -26,6 +27,7 @@ from lightning_pipetx.strategy.cache import ActivationCache, cache_directories, 
 from lightning_pipetx.strategy.checkpoint import atomic_save, gather_optimizer_state
 from lightning_pipetx.strategy.dataloading import RecordingBatchSampler, global_batch_fits, rebatch, recording
 from lightning_pipetx.strategy.engine import PipelineEngine
+from lightning_pipetx.strategy.failure import FailureAgreement, explain_training_outputs, log_incomplete_model
 from lightning_pipetx.strategy.lightning_compat import check_lightning_internals
 from lightning_pipetx.strategy.loss_scaling import AgreedGradScaler
 from lightning_pipetx.strategy.model_checks import CollectedOutputChecks, UnsupportedOutputsError
@@ -137,6 +139,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._cache_refusal: str | None = None
         self._output_checks: CollectedOutputChecks | None = None
         self._eval_metrics = EvalMetricGroups()
+        self._agreement: FailureAgreement | None = None
+        self._moving = False  # blocks are changing hands (a transition)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -211,6 +215,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._batch0 = None
         self._profiled = self.profile_steps == 0
         self._run_token = self.broadcast(uuid.uuid4().hex[:12] if self.is_global_zero else None)
+        self._failed, self._moving = False, False
+        self._agreement = FailureAgreement(self.world_size, self.timeout)
         self.engine = self._build_engine(self._plan(0))
         self.engine.profile_steps = self.profile_steps
         self._patch_gradient_clipping()
@@ -276,11 +282,14 @@ class ElasticPipelineStrategy(DDPStrategy):
             return
         started = time.perf_counter()
         old_plan = engine.plan
+        self._moving = True
         engine.close(restore_weights=False)
         move_blocks(
             self._split.blocks, self.optimizers, self._store, old_plan, new_plan, self.global_rank, self.root_device
         )
         self.engine = self._build_engine(new_plan)
+        self.engine.share_outer_buffers()
+        self._moving = False
         # Rebuild the dataloaders with the new replica count before the next epoch.
         trainer.fit_loop._combined_loader = None
         trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
@@ -450,14 +459,21 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def on_predict_end(self) -> None:
         self._evaluation_ends()
-        engine = self._require_engine()
+
+    def _gather_predictions(self, engine: PipelineEngine) -> None:
+        """Every replica's predictions on global rank 0 (a collective). At teardown, because a
+        replica without batches skips the prediction loop and its hooks."""
         loop = self.lightning_module.trainer.predict_loop
         if not loop.return_predictions:
             return
-        # The loop returns these lists after this hook: gather into them in place.
-        predictions = loop.predictions
-        for per_loader in [predictions] if loop.num_dataloaders == 1 else predictions:
-            per_loader[:] = gather_predictions(per_loader, engine.topology)
+        if loop.skip:
+            per_loader = [[] for _ in range(loop.num_dataloaders)]
+        else:
+            predictions = loop.predictions
+            per_loader = [predictions] if loop.num_dataloaders == 1 else predictions
+        # ``trainer.predict`` returns these lists after teardown: gather into them in place.
+        for local in per_loader:
+            local[:] = gather_predictions(local, engine.topology)
 
     # ---------------------------------------------------- collectives
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -469,8 +485,9 @@ class ElasticPipelineStrategy(DDPStrategy):
     def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
         """Gather over the replicas (this stage's group): one entry per data-parallel replica, as
         DDP gives one per rank. In ``training_step`` the code after the model call runs on the last
-        stages only, and they gather among themselves."""
-        if group is None and self.engine is not None:
+        stages only, and they gather among themselves. (``LightningModule.all_gather`` passes the
+        world for "all processes": that means the replicas here.)"""
+        if (group is None or group is dist.group.WORLD) and self.engine is not None:
             group = self.engine.topology.stage_group
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
@@ -516,6 +533,9 @@ class ElasticPipelineStrategy(DDPStrategy):
     # ----------------------------------------------------------- teardown
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
+        engine = self.engine
+        if engine is not None and not engine.topology.is_last_stage and self.lightning_module.trainer.training:
+            explain_training_outputs(exception, engine.topology.stage, engine.layout.pipeline_length)
         super().on_exception(exception)
 
     def teardown(self) -> None:
@@ -528,14 +548,32 @@ class ElasticPipelineStrategy(DDPStrategy):
             self._cache.close(remove_files=self.local_rank == 0)
             self._cache, self._recorder = None, None
         if self.engine is not None:
-            failed = self._failed  # collectives with a dead peer would wait for the timeout again
-            if not failed:
+            if self._failed:
+                self._restore_after_failure(self.engine)
+            else:
+                if self.lightning_module.trainer.state.fn == TrainerFn.PREDICTING:
+                    self._gather_predictions(self.engine)
                 self.engine.share_updated_params(self.optimizers)
-            self.engine.close(restore_weights=not failed, destroy_groups=not failed)
+                self.engine.close(restore_weights=True)
             self.engine = None
+        if self._agreement is not None:
+            if not self._failed:
+                self._agreement.close()
+            self._agreement = None
         plugin = self.precision_plugin
         plugin.__dict__.pop("clip_gradients", None)
         super().teardown()
+
+    def _restore_after_failure(self, engine: PipelineEngine) -> None:
+        """Bring the model back whole where every rank stopped alike, else say what this rank lacks."""
+        engine.close(restore_weights=False, destroy_groups=False)  # the training groups may be out of step
+        plan = f"{engine.plan.layout} {engine.plan.bounds}"
+        state = -1 if self._moving else zlib.crc32(plan.encode())
+        if state >= 0 and self._agreement is not None and self._agreement.every_rank_failed(state):
+            engine.restore_after_failure(self._agreement.group)
+            self._agreement.close()
+        elif self._store.released_blocks():
+            log_incomplete_model(self.global_rank, self._store.released_blocks(), self._split.path)
 
 
 # Register "elastic_pipeline" and "elastic_pipeline_spawn" as soon as the package is imported.

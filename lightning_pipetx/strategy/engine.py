@@ -24,7 +24,7 @@ from lightning_pipetx.strategy.log_replay import LogRecorder, LogShare, replay
 from lightning_pipetx.strategy.microbatch import batch_size, join_outputs, split_batch
 from lightning_pipetx.strategy.output_relay import OutputRelay
 from lightning_pipetx.strategy.p2p import Activation, Channel
-from lightning_pipetx.strategy.param_store import ParamStore, gather_block_state
+from lightning_pipetx.strategy.param_store import ParamStore, broadcast_, broadcast_all, gather_block_state
 from lightning_pipetx.strategy.stage_hooks import StageExit, StageHooks
 from lightning_pipetx.strategy.stage_runner import StageRunner, extract_loss, no_microbatch_context
 from lightning_pipetx.strategy.topology import Topology
@@ -68,6 +68,8 @@ class PipelineEngine:
         store.release(self.block_range)
 
         block_param_ids = {id(p) for i in range(split.num_blocks) for p in split.block_parameters(i)}
+        block_buffer_ids = {id(b) for b in split.blocks.buffers()}
+        self.outer_buffers = [b for b in module.buffers() if id(b) not in block_buffer_ids]
         all_params = list(module.parameters())
         self.grad_sync = GradientSync(
             all_params,
@@ -241,6 +243,22 @@ class PipelineEngine:
             self.split.blocks, prefix, self.store, self.layout, self.bounds, self.topology.global_rank
         )
 
+    def share_outer_buffers(self, group: dist.ProcessGroup | None = None) -> None:
+        """Give every rank global rank 0's buffers outside the block list (``post`` runs on
+        the last stages only, and replicas see different data). A collective over the world."""
+        if self.layout.world_size > 1:
+            broadcast_all(self.outer_buffers, 0, group)
+
+    def restore_after_failure(self, group: dist.ProcessGroup) -> None:
+        """The whole model on every rank after an exception that every rank took part in, over
+        ``group`` (the training groups may be out of step); optimizer state is not moved."""
+        for param in self.grad_sync.shared_params:
+            stage = self.grad_sync.owner_stage(param)
+            if stage is not None:
+                broadcast_(param.data, self.layout.rank(0, stage), group)
+        self.store.restore_all(self.layout, self.bounds, group)
+        self.share_outer_buffers(group)
+
     def close(self, restore_weights: bool, destroy_groups: bool = True) -> None:
         """Remove the hooks; bring every block back on every rank; free the process groups."""
         self.hooks.remove()
@@ -248,5 +266,6 @@ class PipelineEngine:
         self.grad_sync.close()
         if restore_weights:
             self.store.restore_all(self.layout, self.bounds)
+            self.share_outer_buffers()
         if destroy_groups:
             self.topology.destroy()

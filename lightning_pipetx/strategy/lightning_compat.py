@@ -15,7 +15,10 @@ import lightning.pytorch as pl
 import torchmetrics
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
-SUPPORTED_VERSIONS = "lightning>=2.4,<2.7 (tested with 2.6.6) and torchmetrics>=1.0,<2.0 (tested with 1.9)"
+SUPPORTED = {"lightning": ">=2.4,<2.7", "torchmetrics": ">=1.0,<2.0"}  # as pyproject.toml bounds them
+SUPPORTED_VERSIONS = "lightning{lightning} (tested with 2.6.6) and torchmetrics{torchmetrics} (tested with 1.9)".format(
+    **SUPPORTED
+)
 
 
 class UnsupportedLightningError(RuntimeError):
@@ -43,6 +46,7 @@ def _loader_takes_a_new_batch_sampler(trainer: pl.Trainer) -> bool:
 
 
 INTERNALS = (
+    # Set to None as Lightning's own tuner does (there is no public way to force a reload).
     Internal(
         "Trainer.fit_loop._combined_loader",
         "set to None after a transition, so that the training DataLoader is rebuilt for the new replica count",

@@ -159,6 +159,7 @@ class LogShare:
         self.topology = topology
         self.device = device
         self._specs: tuple[LogSpec, ...] = ()
+        self.structure_messages = 0  # steps whose calls changed, and were sent pickled
 
     def exchange(self, logs: MergedLogs | None, loss: torch.Tensor | None) -> tuple[MergedLogs, torch.Tensor]:
         """Every stage gets the last stage's ``(logs, loss)``."""
@@ -182,6 +183,7 @@ class LogShare:
             dist.broadcast_object_list([logs.specs], src=src, group=group, device=self.device)
             dist.broadcast(values, src=src, group=group)
             self._specs = logs.specs
+            self.structure_messages += 1
             return logs, loss
         message = torch.empty(_message_length(self._specs), dtype=torch.float64, device=self.device)
         dist.broadcast(message, src=src, group=group)
@@ -190,6 +192,7 @@ class LogShare:
             specs: list[Any] = [None]
             dist.broadcast_object_list(specs, src=src, group=group, device=self.device)
             self._specs = specs[0]
+            self.structure_messages += 1
             values = torch.empty(_message_length(self._specs) - 1, dtype=torch.float64, device=self.device)
             dist.broadcast(values, src=src, group=group)
         sizes = [int(size) for size in values[2::2].tolist()]

@@ -5,17 +5,44 @@ parameters of other blocks stay in the module, so the user's optimizer and the m
 ``state_dict`` keys are unchanged, but their storage is released: a released parameter is
 one element expanded to its full shape, so its ``shape``, ``dim()`` and ``numel()`` stay
 true (``configure_optimizers`` may group parameters by shape, and the model summary counts
-them) while it holds 0 bytes per element. Nothing writes through it: it has no gradient, so
-the optimizer skips it, and it gets real storage again before its values are received.
+them) while it holds 0 bytes per element. That element is NaN, so a released weight used by
+mistake gives NaN, never a plausible number. Nothing writes through it: it has no gradient,
+so the optimizer skips it, and it gets real storage again before its values are received.
+
+Blocks come back whole (parameters and buffers, such as BatchNorm statistics) from the rank
+that ran them: at the end of a run, and after an exception that every rank took part in.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_pipetx.strategy.topology import Layout
+
+
+def _placeholder(param: nn.Parameter) -> torch.Tensor:
+    fill = float("nan") if param.dtype.is_floating_point or param.dtype.is_complex else 0
+    return torch.full((), fill, dtype=param.dtype, device=param.device).expand(param.shape)
+
+
+def broadcast_(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:
+    """Broadcast ``tensor`` in place from global rank ``src``; through the host when ``group``
+    is a gloo group and the tensor is on a GPU."""
+    if tensor.is_cuda and group is not None and dist.get_backend(group) == "gloo":
+        staged = tensor.cpu()
+        dist.broadcast(staged, src=src, group=group)
+        tensor.copy_(staged)
+    else:
+        dist.broadcast(tensor, src=src, group=group)
+
+
+def broadcast_all(tensors: Iterable[torch.Tensor], src: int, group: dist.ProcessGroup | None = None) -> None:
+    for tensor in tensors:
+        broadcast_(tensor, src, group)
 
 
 class ParamStore:
@@ -28,6 +55,10 @@ class ParamStore:
     def shape(self, param: nn.Parameter) -> torch.Size:
         return self._shapes.get(id(param), param.shape)
 
+    def released_blocks(self) -> list[int]:
+        """Blocks whose weights this rank does not hold."""
+        return [i for i, block in enumerate(self.blocks) if any(id(p) in self._shapes for p in block.parameters())]
+
     def release(self, keep: range) -> None:
         """Free the storage of every block outside ``keep``."""
         for index, block in enumerate(self.blocks):
@@ -36,7 +67,7 @@ class ParamStore:
             for param in block.parameters():
                 if id(param) not in self._shapes:
                     self._shapes[id(param)] = param.shape
-                    param.data = torch.empty((), dtype=param.dtype, device=param.device).expand(param.shape)
+                    param.data = _placeholder(param)
 
     def materialize(self, param: nn.Parameter) -> None:
         """Give a released parameter storage again (its values are to be filled in)."""
@@ -44,15 +75,20 @@ class ParamStore:
         if shape is not None:
             param.data = torch.empty(shape, dtype=param.dtype, device=param.device)
 
-    def restore_all(self, layout: Layout, bounds: list[tuple[int, int]]) -> None:
-        """Bring back every block on every rank, broadcast from replica 0's owner of each stage."""
+    def restore_all(
+        self, layout: Layout, bounds: list[tuple[int, int]], group: dist.ProcessGroup | None = None
+    ) -> None:
+        """Bring back every block, parameters and buffers, on every rank, broadcast from replica
+        0's owner of each stage over ``group`` (the world by default)."""
         for stage, (start, end) in enumerate(bounds):
             owner = layout.rank(0, stage)
             for index in range(start, end):
-                for param in self.blocks[index].parameters():
+                block = self.blocks[index]
+                for param in block.parameters():
                     self.materialize(param)
-                    if layout.world_size > 1:
-                        dist.broadcast(param.data, src=owner)
+                if layout.world_size > 1:
+                    broadcast_all([p.data for p in block.parameters()], owner, group)
+                    broadcast_all(block.buffers(), owner, group)
 
 
 def gather_block_state(

@@ -1,10 +1,11 @@
-"""Move block weights and their optimizer state to the ranks of a new layout.
+"""Move blocks (weights, buffers) and their optimizer state to the ranks of a new layout.
 
 Every replica holds identical copies of its stage's blocks and their optimizer state (the
 gradients were all-reduced before every step), so a rank that needs a block it does not
 hold can take it from any old holder. Transfers are point-to-point, in one global order
 that every rank derives from the two plans, so no rank waits on another out of turn.
-Blocks a rank no longer runs are released, with their optimizer state.
+Blocks a rank no longer runs are released, with their optimizer state. A block's buffers
+(BatchNorm statistics, for example) travel with its weights.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _state_meta(state: dict[str, Any] | None, param: nn.Parameter) -> dict[str, 
 
 
 class BlockMover:
-    """Sends and receives whole blocks: weights, then optimizer state."""
+    """Sends and receives whole blocks: weights with their optimizer state, then buffers."""
 
     def __init__(self, blocks: nn.Module, optimizers: list[Optimizer], store: ParamStore, device: torch.device):
         self.blocks = blocks
@@ -69,6 +70,8 @@ class BlockMover:
             for value in (state or {}).values():
                 if isinstance(value, torch.Tensor):
                     dist.send(value.to(self.device), dst=dst)
+        for buffer in self.blocks[block].buffers():
+            dist.send(buffer.to(self.device).contiguous(), dst=dst)
 
     def recv(self, block: int, src: int) -> None:
         params = list(self.blocks[block].parameters())
@@ -92,6 +95,10 @@ class BlockMover:
                 dist.recv(received, src=src)
                 state[key] = received.to(param.device if on_param_device else torch.device("cpu"))
             optimizer.state[param] = state
+        for buffer in self.blocks[block].buffers():
+            received = torch.empty_like(buffer, device=self.device)
+            dist.recv(received, src=src)
+            buffer.copy_(received)
 
 
 def broadcast_shared(

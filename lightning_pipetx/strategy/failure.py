@@ -1,0 +1,93 @@
+"""What a rank does with the user's model when a run stops on an exception.
+
+The exception ends the run on the rank that raised it; its peers may be alive, waiting on it,
+or dead, and the training process groups may be out of step. So the ranks first agree, over
+a gloo group of their own (created at setup and used for nothing else) and within a short
+window, that every rank is tearing down after an exception, in the same layout: an exception
+raised on every rank, or a KeyboardInterrupt. Then every block is restored on every rank
+through that group. Otherwise the rank's model stays incomplete, and an error is logged
+saying which blocks it lacks and to load the last checkpoint instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("lightning_pipetx")
+
+AGREEMENT_SECONDS = 30.0
+
+
+class FailureAgreement:
+    """A gloo group over the world, for agreeing after an exception."""
+
+    def __init__(self, world_size: int, timeout: timedelta) -> None:
+        self.world_size = world_size
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if world_size > 1 else None
+        self.window = timedelta(seconds=min(AGREEMENT_SECONDS, timeout.total_seconds() / 3))
+
+    def every_rank_failed(self, state: int) -> bool:
+        """True when every rank calls this within the window with the same ``state``."""
+        if self.group is None:
+            return True
+        mine = torch.tensor([state], dtype=torch.int64)
+        gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        try:
+            dist.all_gather(gathered, mine, group=self.group, async_op=True).wait(self.window)
+        except RuntimeError:  # a peer is busy elsewhere, or gone
+            return False
+        return all(int(value) == state for value in gathered)
+
+    def close(self) -> None:
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+
+def log_incomplete_model(rank: int, released: list[int], path: str) -> None:
+    """Say that this rank's model lacks ``released`` blocks after a failed run."""
+    log.error(
+        "pipetx: the run stopped on an error that not every rank took part in, so global rank %d could not get the "
+        "blocks it does not run back: its copy of the model lacks blocks %s of %r (their weights are NaN here), and "
+        "the weights it shares with other stages may lag behind. Do not use this model object; load the last "
+        "checkpoint instead (Model.load_from_checkpoint(path), or ckpt_path= to resume).",
+        rank,
+        released,
+        path,
+    )
+
+
+def _raised_in_communication(exception: BaseException) -> bool:
+    """Whether the innermost frame of the traceback is in torch.distributed or this package."""
+    tb = exception.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    filename = os.path.abspath(tb.tb_frame.f_code.co_filename)
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return filename.startswith((os.path.dirname(os.path.abspath(dist.__file__)), package))
+
+
+def explain_training_outputs(exception: BaseException, stage: int, num_stages: int) -> None:
+    """Attach to an exception raised on a non-last stage during training the likely cause:
+    code that reads what ``training_step`` collected after its model call."""
+    if not isinstance(exception, Exception) or _raised_in_communication(exception):
+        return
+    note = (
+        f"pipetx: this rank runs stage {stage} of a {num_stages}-stage pipeline. In training_step, the code after "
+        f"the model call runs on the last stage of each pipeline only (here the forward stops after this stage's "
+        f"blocks), so lists or values that training_step collects there stay empty on this rank. If this error "
+        f"comes from reading them (in on_train_epoch_end, say), log the values with self.log(..., on_epoch=True) "
+        f"instead, or collect them in validation_step, which runs to its end on every stage."
+    )
+    if sys.version_info >= (3, 11):
+        exception.add_note(note)
+    else:
+        log.error(note)

@@ -1,0 +1,98 @@
+"""What a step's code sees and returns under a pipeline, collectives inside steps, and what a
+failure leaves behind (issue 12, items 4 and 6)."""
+
+import json
+import time
+
+import pytest
+import torch
+from distributed import run_workers
+from tiny_models import tiny_bert
+
+
+def _reports(out, mode, nprocs):
+    return [json.loads((out / f"{mode}_rank{rank}.json").read_text()) for rank in range(nprocs)]
+
+
+@pytest.fixture(scope="module")
+def everywhere(tmp_path_factory):
+    out = tmp_path_factory.mktemp("everywhere")
+    run_workers("outputs_worker.py", 4, str(out), "everywhere")
+    return _reports(out, "everywhere", 4)  # ranks 0, 1: replica 0 (last stage first); 2, 3: replica 1
+
+
+def test_validation_code_after_the_model_call_runs_on_every_stage(everywhere):
+    # Lightning's validation_step_outputs recipe: 14 samples, 7 per replica, every epoch.
+    assert [r["seen"]["val_rows"] for r in everywhere] == [[7, 7]] * 4
+    assert len({r["metrics"]["val_logit_mean"] for r in everywhere}) == 1
+    assert len({r["metrics"]["val_loss"] for r in everywhere}) == 1
+
+
+def test_a_metric_updated_on_every_stage_counts_each_replica_once(everywhere):
+    assert [r["metrics"]["val_samples"] for r in everywhere] == [14.0] * 4
+
+
+def test_all_gather_in_a_step_gives_one_entry_per_replica(everywhere):
+    for report in everywhere:
+        assert report["seen"]["val_gather"] == [[2, 4], [2, 3]] * 2
+    # In training_step the code after the model call runs on the last stages only (ranks 0 and 2):
+    # 4 steps of 2 micro-batches, 2 epochs.
+    assert [r["seen"].get("train_gather") for r in everywhere] == [[[2]] * 16, None, [[2]] * 16, None]
+
+
+def test_single_number_outputs_of_a_training_step_cover_the_whole_batch(everywhere):
+    # label0 = the batch's fraction of label 0, computed per micro-batch (the last batch: 2 + 1 samples).
+    for rank in (0, 2):
+        assert everywhere[rank]["seen"]["label0_matches"] == [True] * 8
+
+
+def test_log_calls_travel_pickled_only_when_they_change(everywhere):
+    # "late" is logged from the third step of each epoch: the calls change twice per epoch, over 8 steps.
+    assert [r["seen"]["structure_messages"] for r in everywhere] == [[4]] * 4
+    for first, second in ((0, 1), (2, 3)):  # the stages of a replica log the same values
+        assert everywhere[first]["metrics"] == everywhere[second]["metrics"]
+    assert everywhere[0]["metrics"]["late"] == pytest.approx(2 * everywhere[0]["metrics"]["train_loss"])
+
+
+def test_per_token_predictions_are_gathered_in_the_documented_order(everywhere):
+    # 13 samples of varying length, batch 3: replica 0 reads 3 batches, replica 1 reads 2; the
+    # sequence length differs from batch to batch, so rank 0 gets the batches whole, interleaved.
+    assert everywhere[0]["token_order_matches"] == [True] * 5
+    assert [shape[0] for shape in everywhere[0]["token_shapes"]] == [3, 3, 3, 3, 1]
+    assert everywhere[1]["token_shapes"] == everywhere[0]["token_shapes"][0::2]  # its replica's shard
+    assert everywhere[3]["token_shapes"] == everywhere[0]["token_shapes"][1::2]
+
+
+def test_a_replica_without_predict_batches_takes_part_in_the_gather(everywhere):
+    assert everywhere[0]["one_sample"][0][0] == 1 and len(everywhere[0]["one_sample"]) == 1
+    assert [r["one_sample"] for r in everywhere[2:]] == [None, None]  # Lightning skipped their loop
+
+
+def test_outputs_collected_in_training_step_fail_with_an_explanation(tmp_path):
+    # Lightning's training_step_outputs recipe: the list stays empty on the first stage.
+    output = run_workers("outputs_worker.py", 2, str(tmp_path), "train_list", expect_failure=True, timeout=240)
+    assert "stack expects a non-empty TensorList" in output
+    assert "the code after the model call runs on the last stage of each pipeline only" in output
+
+
+@pytest.mark.parametrize("exception", ["ValueError", "KeyboardInterrupt"])
+def test_an_exception_on_every_rank_leaves_the_whole_model_on_every_rank(exception, tmp_path):
+    run_workers("outputs_worker.py", 2, str(tmp_path), "fail_all", exception, timeout=240)
+    assert [r["stopped_by"] for r in _reports(tmp_path, "fail_all", 2)] == [
+        "SystemExit" if exception == "KeyboardInterrupt" else exception
+    ] * 2
+    weights = [torch.load(tmp_path / f"weights_rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+    initial = tiny_bert(seed=0, dropout=0.0).state_dict()
+    for name, value in weights[0].items():
+        assert torch.isfinite(value.float()).all(), name
+        torch.testing.assert_close(weights[1][name], value, rtol=0, atol=0, msg=name)
+        assert not torch.equal(value, initial[name.removeprefix("model.")]), f"{name} was not trained"
+
+
+def test_an_exception_on_one_rank_ends_every_rank_and_says_what_the_model_lacks(tmp_path):
+    start = time.monotonic()
+    output = run_workers("outputs_worker.py", 2, str(tmp_path), "fail_one", expect_failure=True, timeout=240)
+    assert time.monotonic() - start < 200
+    assert "the user's step failed on one rank" in output
+    assert "global rank 0 could not get the blocks it does not run back" in output
+    assert "lacks blocks [0, 1] of 'model.bert.encoder.layer'" in output and "load the last checkpoint" in output

@@ -1,0 +1,98 @@
+"""A tiny HF ResNet (BatchNorm in every block) through a 2x1 -> 1x2 transition on 2 processes.
+
+Usage: torchrun --nproc_per_node=2 buffers_worker.py OUT_DIR
+Every rank writes OUT_DIR/buffers_rank<N>.json: the layout, and every block's BatchNorm
+statistics at the start of each epoch and after fit.
+"""
+
+import json
+import os
+import sys
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from tiny_models import RandomImageDataset
+from torch.utils.data import DataLoader
+
+from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
+
+
+def tiny_resnet() -> torch.nn.Module:
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    config = ResNetConfig(
+        num_channels=3,
+        embedding_size=8,
+        hidden_sizes=[8, 8, 8, 8],
+        depths=[1, 1, 1, 1],
+        layer_type="basic",
+        num_labels=5,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return ResNetForImageClassification(config)
+
+
+class ResNetClassifier(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = tiny_resnet()
+
+    def training_step(self, batch, batch_idx):
+        images, labels = batch
+        return self.model(pixel_values=images, labels=labels).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def statistics(module: pl.LightningModule) -> list[list[float]]:
+    """Per block: the sum of its running means, of its running variances, and its batch count."""
+    blocks = module.model.resnet.encoder.stages
+    result = []
+    for block in blocks:
+        buffers = dict(block.named_buffers())
+        result.append(
+            [
+                float(sum(v.sum() for k, v in buffers.items() if k.endswith("running_mean"))),
+                float(sum(v.sum() for k, v in buffers.items() if k.endswith("running_var"))),
+                float(sum(v.sum() for k, v in buffers.items() if k.endswith("num_batches_tracked"))),
+            ]
+        )
+    return result
+
+
+class Recorder(Callback):
+    def __init__(self):
+        self.epochs = []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        layout = trainer.strategy.layout
+        self.epochs.append({"layout": str(layout), "blocks": statistics(pl_module)})
+
+
+def main():
+    out_dir = sys.argv[1]
+    recorder = Recorder()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ElasticPipelineStrategy(pipeline_length=2, num_microbatches=2, profile_steps=0, cache=False),
+        callbacks=[FreezeCallback(alpha=1 / 2, signal="schedule"), recorder],
+        max_epochs=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    module = ResNetClassifier()
+    trainer.fit(module, DataLoader(RandomImageDataset(size=32, seed=1), batch_size=8))
+    report = {"epochs": recorder.epochs, "final": statistics(module)}
+    with open(os.path.join(out_dir, f"buffers_rank{trainer.global_rank}.json"), "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""Step outputs, collectives inside steps, and failures, under a pipeline; every rank reports.
+
+Usage: torchrun --nproc_per_node=N outputs_worker.py OUT_DIR MODE, where MODE is
+  everywhere     (4 processes, 2 stages x 2 replicas) lists of validation outputs, all_gather in
+                 steps, a metric counting samples, step outputs of one number, a log name that
+                 appears late, per-token predictions, a replica without predict batches
+  train_list     (2 processes) training_step collects its losses in a list, read at epoch end
+  fail_all EXC   (2 processes) every rank raises EXC (ValueError | KeyboardInterrupt) at epoch 0's end
+  fail_one       (2 processes) the last stage raises in its third training step
+Every rank writes OUT_DIR/<MODE>_rank<N>.json (and, for fail_all, its weights).
+"""
+
+import json
+import os
+import sys
+from collections import defaultdict
+from datetime import timedelta
+
+import lightning.pytorch as pl
+import torch
+import torchmetrics
+from lightning.pytorch.callbacks import Callback
+from tiny_models import RandomTokenDataset, tiny_bert
+from torch.utils.data import DataLoader
+
+from lightning_pipetx import ElasticPipelineStrategy
+
+
+def pad_to_longest(samples):
+    """Dynamic padding: every batch is as long as its longest sequence."""
+    batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+    length = int(batch["attention_mask"].sum(1).max())
+    return {k: (v[:, :length] if v.dim() == 2 else v) for k, v in batch.items()}
+
+
+def loader(size, batch_size, seed):
+    return DataLoader(RandomTokenDataset(size=size, seed=seed), batch_size=batch_size, collate_fn=pad_to_longest)
+
+
+class Recipes(pl.LightningModule):
+    """The patterns of Lightning's documentation that run code after the model call."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = tiny_bert(seed=0, dropout=0.0)
+        self.val_samples = torchmetrics.SumMetric()
+        self.validation_step_outputs = []
+        self.seen = defaultdict(list)
+
+    def training_step(self, batch, batch_idx):
+        out = self.model(**batch)
+        self.seen["train_gather"].append(list(self.all_gather(out.loss.detach()).shape))
+        self.log("train_loss", out.loss)
+        if batch_idx >= 2:
+            self.log("late", 2 * out.loss)
+        return {"loss": out.loss, "label0": (batch["labels"] == 0).float().mean()}
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if "label0" in outputs:  # the last stages: the step's other outputs, for the whole batch
+            expected = (batch["labels"] == 0).float().mean()
+            self.seen["label0_matches"].append(bool(torch.isclose(outputs["label0"], expected)))
+
+    def validation_step(self, batch, batch_idx):
+        out = self.model(**batch)
+        self.validation_step_outputs.append(out.logits)
+        self.val_samples.update(torch.tensor(float(len(batch["labels"]))))
+        self.log("val_samples", self.val_samples)
+        self.log("val_loss", out.loss, sync_dist=True)
+        self.seen["val_gather"].append(list(self.all_gather(out.logits.argmax(-1)).shape))
+
+    def on_validation_epoch_end(self):
+        logits = torch.cat(self.validation_step_outputs)
+        self.seen["val_rows"].append(logits.shape[0])
+        self.log("val_logit_mean", logits.mean(), sync_dist=True)
+        self.validation_step_outputs.clear()
+
+    def predict_step(self, batch, batch_idx):
+        return self.model.bert(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class CollectedLosses(pl.LightningModule):
+    """Lightning's documented epoch-end pattern in training."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = tiny_bert(seed=0, dropout=0.0)
+        self.training_step_outputs = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.training_step_outputs.append(loss.detach())
+        return loss
+
+    def on_train_epoch_end(self):
+        self.log("epoch_mean", torch.stack(self.training_step_outputs).mean())
+        self.training_step_outputs.clear()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class FailingLastStage(CollectedLosses):
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        if batch_idx == 2:
+            raise RuntimeError("the user's step failed on one rank")
+        return loss
+
+
+class RaiseAtEpochEnd(Callback):
+    def __init__(self, exception):
+        self.exception = exception
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        raise self.exception("stopped on every rank")
+
+
+class LogShareCount(Callback):
+    def on_train_end(self, trainer, pl_module):
+        pl_module.seen["structure_messages"].append(trainer.strategy.engine.log_share.structure_messages)
+
+
+def trainer_for(devices, timeout=60, **kwargs):
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=ElasticPipelineStrategy(pipeline_length=2, num_microbatches=2, timeout=timedelta(seconds=timeout)),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
+
+
+def everywhere(report):
+    model = Recipes()
+    trainer = trainer_for(4, max_epochs=2, callbacks=[LogShareCount()])
+    # 30 samples, 2 replicas, batch 4: 4 steps per epoch, the last of 3 samples (micro-batches 2 + 1).
+    trainer.fit(model, loader(30, 4, 1), loader(14, 4, 2))
+    report["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    report["seen"] = dict(model.seen)
+    # Per-token outputs: the sequence length differs from batch to batch.
+    report["token_shapes"] = [list(p.shape) for p in trainer.predict(model, loader(13, 3, 3))]
+    if trainer.is_global_zero:  # every rank holds the whole model again: check the documented order
+        dataset, matches = RandomTokenDataset(size=13, seed=3), []
+        predictions = trainer.predict(model, loader(13, 3, 3))
+        for position, prediction in enumerate(predictions):
+            batch_index, replica = divmod(position, 2)
+            samples = [replica + 2 * (batch_index * 3 + i) for i in range(prediction.shape[0])]
+            batch = pad_to_longest([dataset[s] for s in samples])
+            with torch.no_grad():
+                direct = model.predict_step(batch, 0)
+            matches.append(torch.allclose(prediction, direct, atol=1e-5))
+        report["token_order_matches"] = matches
+    else:
+        trainer.predict(model, loader(13, 3, 3))
+    # A replica without batches: one sample, sharded by replica with a sampler of the user's own.
+    predictor = trainer_for(4, use_distributed_sampler=False)
+    predictions = predictor.predict(model, datamodule=OneSample())  # None where the loop had no batch
+    report["one_sample"] = None if predictions is None else [list(p.shape) for p in predictions]
+
+
+class OneSample(pl.LightningDataModule):
+    """Predicts one sample; shards it by replica itself, so the second replica reads nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.allow_zero_length_dataloader_with_multiple_devices = True
+
+    def predict_dataloader(self):
+        shard = self.trainer.strategy.distributed_sampler_kwargs
+        samples = list(range(1))[shard["rank"] :: shard["num_replicas"]]
+        dataset = torch.utils.data.Subset(RandomTokenDataset(size=1, seed=3), samples)
+        return DataLoader(dataset, batch_size=3, collate_fn=pad_to_longest)
+
+
+def main():
+    out_dir, mode = sys.argv[1], sys.argv[2]
+    rank = int(os.environ["RANK"])
+    report = {}
+    if mode == "everywhere":
+        everywhere(report)
+    elif mode == "train_list":
+        trainer_for(2, max_epochs=1).fit(CollectedLosses(), loader(16, 4, 1))
+    elif mode == "fail_all":
+        exception = {"ValueError": ValueError, "KeyboardInterrupt": KeyboardInterrupt}[sys.argv[3]]
+        model = CollectedLosses()
+        try:
+            trainer_for(2, max_epochs=2, callbacks=[RaiseAtEpochEnd(exception)]).fit(model, loader(16, 4, 1))
+        except (ValueError, SystemExit) as error:  # Lightning exits after a KeyboardInterrupt
+            report["stopped_by"] = type(error).__name__
+        torch.save(model.state_dict(), os.path.join(out_dir, f"weights_rank{rank}.pt"))
+    elif mode == "fail_one":
+        trainer_for(2, timeout=45, max_epochs=1).fit(FailingLastStage(), loader(32, 4, 1))
+    with open(os.path.join(out_dir, f"{mode}_rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main()
