@@ -33,7 +33,7 @@ from lightning_pipetx.strategy.loss_scaling import AgreedGradScaler
 from lightning_pipetx.strategy.model_checks import CollectedOutputChecks, UnsupportedOutputsError
 from lightning_pipetx.strategy.output_relay import EvalMetricGroups
 from lightning_pipetx.strategy.param_store import ParamStore
-from lightning_pipetx.strategy.predictions import gather_predictions
+from lightning_pipetx.strategy.predictions import gather_loop_predictions
 from lightning_pipetx.strategy.stage_runner import SCHEDULES
 from lightning_pipetx.strategy.topology import Layout, divisors
 from lightning_pipetx.strategy.transition import drop_optimizer_state, move_blocks
@@ -217,13 +217,16 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._run_token = self.broadcast(uuid.uuid4().hex[:12] if self.is_global_zero else None)
         self._failed, self._moving = False, False
         self._agreement = FailureAgreement(self.world_size, self.timeout)
+        if trainer.state.fn == TrainerFn.FITTING:
+            # configure_optimizers sees every weight as one process would (it may group them by
+            # shape or read them); the blocks this rank does not run are released after it.
+            self.setup_optimizers(trainer)
         self.engine = self._build_engine(self._plan(0))
         self.engine.profile_steps = self.profile_steps
+        drop_optimizer_state(self._split.blocks, self.optimizers, self.engine.block_range)
         self._patch_gradient_clipping()
         self._output_checks = CollectedOutputChecks(self.lightning_module, self._refuse_collected_outputs)
         self._output_checks.install()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             self._optimizer_state_to(self.root_device)
@@ -460,21 +463,6 @@ class ElasticPipelineStrategy(DDPStrategy):
     def on_predict_end(self) -> None:
         self._evaluation_ends()
 
-    def _gather_predictions(self, engine: PipelineEngine) -> None:
-        """Every replica's predictions on global rank 0 (a collective). At teardown, because a
-        replica without batches skips the prediction loop and its hooks."""
-        loop = self.lightning_module.trainer.predict_loop
-        if not loop.return_predictions:
-            return
-        if loop.skip:
-            per_loader = [[] for _ in range(loop.num_dataloaders)]
-        else:
-            predictions = loop.predictions
-            per_loader = [predictions] if loop.num_dataloaders == 1 else predictions
-        # ``trainer.predict`` returns these lists after teardown: gather into them in place.
-        for local in per_loader:
-            local[:] = gather_predictions(local, engine.topology)
-
     # ---------------------------------------------------- collectives
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         """Reduce over the replicas (this stage's group): every stage holds the same logged values."""
@@ -551,8 +539,9 @@ class ElasticPipelineStrategy(DDPStrategy):
             if self._failed:
                 self._restore_after_failure(self.engine)
             else:
-                if self.lightning_module.trainer.state.fn == TrainerFn.PREDICTING:
-                    self._gather_predictions(self.engine)
+                trainer = self.lightning_module.trainer
+                if trainer.state.fn == TrainerFn.PREDICTING:  # here, as a replica without batches skips the hooks
+                    gather_loop_predictions(trainer.predict_loop, self.engine.topology)
                 self.engine.share_updated_params(self.optimizers)
                 self.engine.close(restore_weights=True)
             self.engine = None

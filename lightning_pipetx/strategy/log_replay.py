@@ -66,10 +66,15 @@ def _reduce_name(reduce_fx: Any) -> str:
     return {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}.get(reduce_fx, "mean")
 
 
+def _number(value: float, device: torch.device) -> torch.Tensor:
+    """A 0-dim float64 tensor on ``device``, filled there (no copy from the host)."""
+    return torch.full((), float(value), dtype=torch.float64, device=device)
+
+
 def _scalar(value: Any, name: str, device: torch.device) -> torch.Tensor:
-    """``value`` as a 0-dim float64 tensor, without a host synchronisation."""
+    """A logged value as a 0-dim float64 tensor, without a host synchronisation."""
     if not isinstance(value, torch.Tensor):
-        return torch.full((), float(value), dtype=torch.float64, device=device)
+        return _number(value, device)
     if value.numel() != 1:
         raise ValueError(f"self.log({name!r}, value): value has {value.numel()} elements; log a single number.")
     return value.detach().reshape(()).to(device, torch.float64)
@@ -168,11 +173,13 @@ class LogShare:
             return logs, loss
         src, group = topo.last_stage_rank, topo.replica_group
         if topo.is_last_stage:
-            entries = [loss]
-            for value, size in zip(logs.values, logs.batch_sizes):
-                entries.append(_scalar(float("nan") if value is None else value, "", self.device))
-                entries.append(_scalar(size, "", self.device))
-            values = torch.stack([e.to(self.device, torch.float64) for e in entries])
+            entries = [loss.to(self.device, torch.float64)]
+            for spec, value, size in zip(logs.specs, logs.values, logs.batch_sizes):
+                entries.append(
+                    _number(float("nan"), self.device) if value is None else _scalar(value, spec.name, self.device)
+                )
+                entries.append(_number(size, self.device))
+            values = torch.stack(entries)
             changed = logs.specs != self._specs
             if not changed:
                 dist.broadcast(torch.cat([values.new_zeros(1), values]), src=src, group=group)

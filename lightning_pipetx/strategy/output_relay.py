@@ -43,7 +43,13 @@ class OutputRelay:
     """Turns the outermost model call of an evaluation step into a pipelined call."""
 
     def __init__(
-        self, root: nn.Module, path: str, topology: Topology, hooks: StageHooks, runner: StageRunner, device
+        self,
+        root: nn.Module,
+        path: str,
+        topology: Topology,
+        hooks: StageHooks,
+        runner: StageRunner,
+        device: torch.device,
     ) -> None:
         self.modules = modules_on_path(root, path)
         self.topology = topology

@@ -35,6 +35,20 @@ def gather_predictions(local: list[Any], topology: Topology) -> list[Any]:
     return merge_shards(gathered)
 
 
+def gather_loop_predictions(loop: Any, topology: Topology) -> None:
+    """Gather into the lists that ``trainer.predict`` returns, in place (a collective over the
+    last stages); a loop that had no batch on this replica takes part with empty lists."""
+    if not loop.return_predictions:
+        return
+    if loop.skip:
+        per_loader = [[] for _ in range(loop.num_dataloaders)]
+    else:
+        predictions = loop.predictions
+        per_loader = [predictions] if loop.num_dataloaders == 1 else predictions
+    for local in per_loader:
+        local[:] = gather_predictions(local, topology)
+
+
 def _joinable(batches: list[Any]) -> bool:
     try:
         for batch in batches:
