@@ -1,7 +1,9 @@
 """Dry-run of AutoPipe: print the layouts a model goes through as its blocks freeze.
 
 Builds the model's architecture on the ``meta`` device (no weights are allocated or
-downloaded), finds its block list, costs each block by its parameter count, and replays the
+downloaded), finds its block list, costs each block by its parameter count, picks the initial
+pipeline length as ``pipeline_length="auto"`` does (the layout predicted fastest whose
+stages' training state fits in half of ``--memory-gb``; it says why), and replays the
 closed-form freeze schedule ``F(T) = ceil(L * (1 - (1 - alpha) ** T))`` (capped at
 ``L - min_active_blocks``) through the same planner the strategy uses (``--cached``: the
 frozen prefix costs nothing, as with AutoCache; otherwise a third of its blocks)::
@@ -27,9 +29,18 @@ from torch import nn
 
 from lightning_pipetx.blocks import find_blocks
 from lightning_pipetx.callbacks.freeze_rule import schedule_frozen
-from lightning_pipetx.strategy.autopipe import FROZEN_TIME, Plan, block_costs, choose_plan, make_plan
+from lightning_pipetx.strategy.autopipe import (
+    ACTIVATION_SHARE,
+    FROZEN_TIME,
+    ModelMemory,
+    Plan,
+    block_costs,
+    choose_initial_plan,
+    choose_plan,
+    explain_choice,
+    make_plan,
+)
 from lightning_pipetx.strategy.dataloading import global_batch_fits
-from lightning_pipetx.strategy.topology import divisors
 
 _BERT_LARGE = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
 PRESETS = {"bert-base": ("BertConfig", {}), "bert-large": ("BertConfig", _BERT_LARGE)}
@@ -96,12 +107,34 @@ def dry_run(
     microbatches: int | None = None,
     batch_size: int | None = None,
     cached: bool = False,
+    memory_gb: float | None = None,
 ) -> dict[str, Any]:
-    """The initial plan and the plan after each freeze step, as plain data."""
+    """The initial plan and the plan after each freeze step, as plain data.
+
+    ``pipeline_length=None`` chooses it as ``pipeline_length="auto"`` would, for devices of
+    ``memory_gb`` (by default this machine's GPU, or 16 GiB).
+    """
     split = find_blocks(build_model(model))
     costs, num_blocks = block_costs(split), split.num_blocks
+    budget = (memory_gb if memory_gb is not None else default_memory_gb()) * 2**30
+    chosen, candidates = choose_initial_plan(costs, ModelMemory.of(split), devices, num_blocks, budget, microbatches)
+    choice = {
+        "auto": pipeline_length is None,
+        "memory_budget_gb": budget / 2**30,
+        "activation_share": ACTIVATION_SHARE,
+        "reason": explain_choice(chosen, candidates, budget),
+        "candidates": [
+            {
+                "layout": str(c.plan.layout),
+                "peak_gb": c.peak_bytes / 2**30,
+                "fits": c.fits,
+                "relative_throughput": c.plan.predicted_throughput / chosen.predicted_throughput,
+            }
+            for c in candidates
+        ],
+    }
     if pipeline_length is None:
-        pipeline_length = max(k for k in divisors(devices) if k <= num_blocks)
+        pipeline_length = chosen.layout.pipeline_length
     accept = None
     if batch_size is not None:  # keep_global_batch: the global batch must split over the replicas
         batch0 = (batch_size, devices // pipeline_length)
@@ -124,9 +157,17 @@ def dry_run(
         "min_active_blocks": min_active_blocks,
         "cached": cached,
         "initial": plan_dict(start, start),
+        "initial_choice": choice,
         "steps": steps,
         "transitions": sum(step["change"] == "transition" for step in steps),
     }
+
+
+def default_memory_gb() -> float:
+    """This machine's GPU memory in GiB, or 16 without a GPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / 2**30
+    return 16.0
 
 
 def _stages(plan: dict[str, Any]) -> str:
@@ -144,6 +185,8 @@ def format_report(result: dict[str, Any]) -> str:
         f"{result['devices']} devices, alpha={result['alpha']:.3g}, min_active_blocks={result['min_active_blocks']}; "
         f"costs are parameter counts (a frozen block counts {'nothing: cached' if result['cached'] else 'a third'}), "
         "layout = pipeline_length x replicas",
+        f"pipeline_length {'auto' if result['initial_choice']['auto'] else 'given'}: "
+        f"{result['initial_choice']['reason']}",
         f"start     frozen  0: layout {initial['layout']}, {initial['num_microbatches']} micro-batches, {_stages(initial)}",
     ]
     for step in result["steps"]:
@@ -168,7 +211,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add = parser.add_argument
     add("--model", required=True, help=f"one of {', '.join(PRESETS)}, or a timm model name")
     add("--devices", type=_positive, required=True, help="world size N")
-    add("--pipeline-length", type=_positive, help="initial stages K0 (default: largest divisor of N <= L)")
+    add("--pipeline-length", type=_positive, help="initial stages K0 (default: chosen as pipeline_length='auto')")
+    add("--memory-gb", type=float, help="memory per device for the automatic choice (default: this GPU's, or 16)")
     add("--alpha", type=float, default=1 / 3, help="freeze progression bound, in [0.001, 1]")
     add("--min-active-blocks", type=_positive, default=1, help="blocks that never freeze")
     add("--microbatches", type=_positive, help="micro-batches (default: 1 for K=1, else 2K)")
@@ -176,6 +220,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--cached", action="store_true", help="cost the frozen prefix as cached by AutoCache (free)")
     add("--json", action="store_true", help="print machine-readable JSON")
     args = parser.parse_args(argv)
+    if args.memory_gb is not None and args.memory_gb <= 0:
+        parser.error(f"--memory-gb must be > 0, got {args.memory_gb}")
     if not 0.001 <= args.alpha <= 1:
         parser.error(f"--alpha must be in [0.001, 1], got {args.alpha}")
     if args.pipeline_length is not None and args.devices % args.pipeline_length:

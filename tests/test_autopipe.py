@@ -1,12 +1,23 @@
 """AutoPipe's plan for a frozen prefix, and the block transfers of a transition."""
 
 import itertools
+import json
 import random
 
 import pytest
+from distributed import run_workers
+from tiny_models import build_model
 
-from lightning_pipetx import Layout
-from lightning_pipetx.strategy.autopipe import FROZEN_TIME, choose_plan, frozen_partition, make_plan, max_stages
+from lightning_pipetx import Layout, find_blocks
+from lightning_pipetx.strategy.autopipe import (
+    FROZEN_TIME,
+    ModelMemory,
+    choose_initial_plan,
+    choose_plan,
+    frozen_partition,
+    make_plan,
+    max_stages,
+)
 from lightning_pipetx.strategy.transition import transfers
 
 
@@ -88,3 +99,50 @@ def test_the_throughput_model_overrides_the_paper_rule_within_memory():
     plan = choose_plan(costs, 3, 4, 4)
     assert plan.layout == Layout(1, 4) and plan.bounds == ((0, 5),)
     assert plan.predicted_throughput > make_plan(costs, 3, 4, 2, None).predicted_throughput
+
+
+# --------------------------------------------------------- initial layout (pipeline_length="auto")
+def test_model_memory_counts_weights_gradients_and_adam_moments():
+    model = build_model("sequential")  # embed 8->16, 4 residual MLP blocks of width 16, norm, head 16->2
+    block = 32 + (16 * 32 + 32) + (32 * 16 + 16)  # LayerNorm, fc1, fc2: 1104 parameters
+    memory = ModelMemory.of(find_blocks(model))
+    assert memory.blocks == (block * 16.0,) * 4  # float32 weight + gradient + two moments
+    assert memory.shared_weights == (8 * 16 + 16 + 32 + 16 * 2 + 2) * 4.0
+    assert memory.pre_training == (8 * 16 + 16) * 12.0 and memory.post_training == (32 + 34) * 12.0
+    assert memory.stage_bytes([(0, 2), (2, 4)]) == [
+        2 * block * 16 + memory.shared_weights + memory.pre_training,
+        2 * block * 16 + memory.shared_weights + memory.post_training,
+    ]
+    for p in model.blocks[0].parameters():
+        p.requires_grad_(False)  # frozen: the weight alone
+    assert ModelMemory.of(find_blocks(model)).blocks[0] == block * 4.0
+
+
+def test_a_model_that_fits_one_device_trains_data_parallel():
+    # One stage holds 8 blocks (1 each), the shared weights (0.5), pre's and post's training state (0.25 each).
+    memory = ModelMemory((1.0,) * 8, 0.5, 0.25, 0.25)
+    plan, candidates = choose_initial_plan([1.0] * 8, memory, 8, 8, budget_bytes=20.0)
+    assert plan.layout == Layout(1, 8) and plan.num_microbatches == 1
+    assert [c.plan.layout.pipeline_length for c in candidates] == [1, 2, 4, 8]
+    assert [c.peak_bytes for c in candidates] == [9.0, 4.75, 2.75, 1.75]
+    assert all(c.fits for c in candidates)
+
+
+def test_a_model_that_does_not_fit_gets_the_shortest_pipeline_that_does():
+    memory = ModelMemory((1.0,) * 8, 0.5, 0.25, 0.25)
+    # Half of the budget (the rest is kept for activations) must hold the largest stage.
+    plan, candidates = choose_initial_plan([1.0] * 8, memory, 8, 8, budget_bytes=6.0)
+    assert plan.layout == Layout(4, 2) and [c.fits for c in candidates] == [False, False, True, True]
+    assert choose_initial_plan([1.0] * 8, memory, 8, 8, budget_bytes=10.0)[0].layout == Layout(2, 4)
+    # Nothing fits: the layout needing the least memory; never more stages than allowed.
+    assert choose_initial_plan([1.0] * 8, memory, 8, 8, budget_bytes=1.0)[0].layout == Layout(8, 1)
+    assert choose_initial_plan([1.0] * 8, memory, 8, 4, budget_bytes=1.0)[0].layout == Layout(4, 2)
+
+
+def test_the_strategy_chooses_its_initial_layout_by_memory(tmp_path):
+    # The tiny sequential model needs 74,016 bytes on one stage, 37,896 on the larger of two
+    # (test_model_memory_counts_weights_gradients_and_adam_moments): 100,000 bytes per device
+    # keep 50,000 for it, which two stages fit and one does not.
+    out = tmp_path / "layouts.json"
+    run_workers("auto_layout_worker.py", 2, str(out), "default", "100000")
+    assert json.loads(out.read_text()) == {"default": "1x2", "100000": "2x1"}

@@ -106,6 +106,15 @@ TASK_PRE_POST = {
         ["loss_fn", "model.norm", "model.fc_norm", "model.head_drop", "model.head"],
     ),
     "sequential": (["model.embed"], ["model.norm", "model.head"]),
+    "gpt2": (
+        ["model.transformer.wte", "model.transformer.wpe", "model.transformer.drop"],
+        ["model.lm_head", "model.transformer.ln_f"],
+    ),
+    # T5's decoder is the block list: the encoder runs whole in ``pre``.
+    "t5": (
+        ["model.shared", "model.encoder", "model.decoder.embed_tokens"],
+        ["model.lm_head", "model.decoder.final_layer_norm", "model.decoder.dropout"],
+    ),
 }
 
 

@@ -32,7 +32,7 @@ def bert_base_costs() -> list[float]:
 
 
 def test_bert_base_on_8_devices_prints_a_plan_that_compresses(capsys):
-    assert main(["--model", "bert-base", "--devices", "8"]) == 0
+    assert main(["--model", "bert-base", "--devices", "8", "--pipeline-length", "8"]) == 0
     out = capsys.readouterr().out
     assert "12 blocks at 'encoder.layer'" in out
     assert "start     frozen  0: layout 8x1, 16 micro-batches" in out
@@ -41,7 +41,7 @@ def test_bert_base_on_8_devices_prints_a_plan_that_compresses(capsys):
 
 
 def test_vit_b16_json_steps_follow_the_schedule_and_change_layout(capsys):
-    result = _run_json(capsys, "--model", "vit-b16", "--devices", "8")
+    result = _run_json(capsys, "--model", "vit-b16", "--devices", "8", "--pipeline-length", "8")
     assert result["num_blocks"] == 12 and result["initial"]["layout"] == "8x1"
     frozen = [step["frozen"] for step in result["steps"]]
     # ceil(12 * (1 - (2/3)^T)) = 4, 7, 9, 10, 11 (capped at L - 1 = 11).
@@ -56,7 +56,19 @@ def test_vit_b16_json_steps_follow_the_schedule_and_change_layout(capsys):
 
 
 def test_numbers_agree_with_choose_plan(capsys, bert_base_costs):
-    result = _run_json(capsys, "--model", "bert-base", "--devices", "8", "--alpha", "0.5", "--min-active-blocks", "2")
+    result = _run_json(
+        capsys,
+        "--model",
+        "bert-base",
+        "--devices",
+        "8",
+        "--pipeline-length",
+        "8",
+        "--alpha",
+        "0.5",
+        "--min-active-blocks",
+        "2",
+    )
     assert result["block_costs"] == bert_base_costs
     start = make_plan(bert_base_costs, 0, 8, 8, None)
     assert result["initial"]["bounds"] == [list(b) for b in start.bounds]
@@ -71,7 +83,7 @@ def test_numbers_agree_with_choose_plan(capsys, bert_base_costs):
 
 
 def test_cached_prefix_is_free_and_the_pipeline_collapses(capsys, bert_base_costs):
-    result = _run_json(capsys, "--model", "bert-base", "--devices", "8", "--cached")
+    result = _run_json(capsys, "--model", "bert-base", "--devices", "8", "--pipeline-length", "8", "--cached")
     assert result["cached"] and result["steps"][-1]["layout"] == "1x8"
     for step in result["steps"]:
         plan = choose_plan(bert_base_costs, step["frozen"], 8, 8, frozen_time=0.0)
@@ -79,9 +91,31 @@ def test_cached_prefix_is_free_and_the_pipeline_collapses(capsys, bert_base_cost
         assert step["stage_costs"][0] == pytest.approx(sum(bert_base_costs[step["frozen"] : step["bounds"][0][1]]))
 
 
-def test_default_pipeline_length_is_the_largest_divisor_not_above_the_block_count(capsys):
-    result = _run_json(capsys, "--model", "bert-base", "--devices", "16")
-    assert result["initial"]["pipeline_length"] == 8 and result["initial"]["replicas"] == 2
+def test_automatic_length_is_data_parallel_when_the_model_fits_a_device(capsys):
+    # BERT-base: 110 M parameters, about 1.6 GiB of weights, gradients and Adam moments.
+    result = _run_json(capsys, "--model", "bert-base", "--devices", "16", "--memory-gb", "16")
+    assert result["initial"]["layout"] == "1x16" and result["initial_choice"]["auto"]
+    candidates = result["initial_choice"]["candidates"]
+    assert [c["layout"] for c in candidates] == ["1x16", "2x8", "4x4", "8x2"]  # at most L = 12 stages
+    assert all(c["fits"] for c in candidates)
+    assert candidates[0]["peak_gb"] == pytest.approx(110e6 * 16 / 2**30, rel=0.03)
+    assert max(c["relative_throughput"] for c in candidates) == 1.0
+
+
+def test_automatic_length_is_the_fastest_layout_that_fits(capsys):
+    # BERT-large, 335 M parameters: 5 GiB on one device; with 4 GiB devices half of it (2 GiB)
+    # holds the training state of a quarter of the model, not of a half.
+    result = _run_json(capsys, "--model", "bert-large", "--devices", "8", "--memory-gb", "4")
+    assert result["initial"]["layout"] == "4x2"
+    fits = {c["layout"]: c["fits"] for c in result["initial_choice"]["candidates"]}
+    assert fits == {"1x8": False, "2x4": False, "4x2": True, "8x1": True}
+    assert main(["--model", "bert-large", "--devices", "8", "--memory-gb", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline_length auto: layout 4x2: the fastest predicted whose largest stage's" in out
+    assert "1x8 4.99 GiB x1.37 too big" in out
+    # None fits: the layout that needs the least memory.
+    result = _run_json(capsys, "--model", "bert-large", "--devices", "8", "--memory-gb", "1")
+    assert result["initial"]["layout"] == "8x1" and "none fits" in result["initial_choice"]["reason"]
 
 
 def test_batch_size_rules_out_layouts_the_global_batch_does_not_split_over(capsys):
@@ -105,6 +139,7 @@ def test_models_are_built_without_weights():
 def test_a_timm_model_name_works_from_the_command_line():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "lightning_pipetx.plan", "--model", "deit_tiny_patch16_224", "--devices", "4"]
+    command += ["--pipeline-length", "4"]
     proc = subprocess.run([*command, "--json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
@@ -128,5 +163,14 @@ def test_help(capsys):
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for option in ("--model", "--devices", "--pipeline-length", "--alpha", "--min-active-blocks", "--microbatches"):
+    options = (
+        "--model",
+        "--devices",
+        "--pipeline-length",
+        "--memory-gb",
+        "--alpha",
+        "--min-active-blocks",
+        "--microbatches",
+    )
+    for option in options:
         assert option in out

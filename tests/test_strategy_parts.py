@@ -149,6 +149,8 @@ def test_schedules_run_each_microbatch_forward_then_backward(schedule, stages, m
         ({"schedule": "zigzag"}, "schedule='zigzag'"),
         ({"cache": "sometimes"}, "cache='sometimes'"),
         ({"profile_steps": -1}, "profile_steps=-1"),
+        ({"memory_budget": 0}, "memory_budget=0"),
+        ({"bucket_cap_mb": -1}, "bucket_cap_mb=-1"),
     ],
 )
 def test_invalid_arguments_are_refused(kwargs, match):

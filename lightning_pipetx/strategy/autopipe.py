@@ -12,12 +12,23 @@ global batch splits evenly over the new replicas). The paper's rule takes the sm
 buildable pipeline when none does); the throughput model
 ``replicas * M / ((M + K - 1) * largest_stage_time)`` replaces that choice by a faster one
 whose largest stage needs no more memory than the largest stage at the start.
+
+The *initial* pipeline length (``pipeline_length="auto"``) is chosen in bytes instead: among
+the divisors of the world size, the layout predicted fastest whose largest stage's training
+state (weights, gradients, two optimizer moments, and every weight outside the block list)
+fits in the part of the device's memory not kept for activations. With the throughput model
+that is the shortest pipeline that fits: a model that fits one device trains as pure data
+parallelism.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+
+import torch
+from torch import nn
 
 from lightning_pipetx.blocks import BlockSplit
 from lightning_pipetx.strategy.partition import partition
@@ -25,6 +36,8 @@ from lightning_pipetx.strategy.topology import Layout, divisors
 
 FROZEN_TIME = 1 / 3
 FROZEN_MEMORY = 1 / 4
+OPTIMIZER_STATE_BYTES = 8  # per trainable element: Adam's two float32 moments
+ACTIVATION_SHARE = 0.5  # of a device's memory, kept for activations (unknown before the first batch)
 
 
 @dataclass(frozen=True)
@@ -139,3 +152,119 @@ def choose_plan(
 def block_costs(split: BlockSplit) -> list[float]:
     """Parameter count per block: the cost model's fallback."""
     return [float(sum(p.numel() for p in split.block_parameters(i))) for i in range(split.num_blocks)]
+
+
+def _weight_bytes(params: Iterable[nn.Parameter]) -> float:
+    return float(sum(p.numel() * p.element_size() for p in params))
+
+
+def training_bytes(params: Iterable[nn.Parameter]) -> float:
+    """Weights, and for trainable ones gradients and Adam's two float32 moments, in bytes."""
+    total = 0.0
+    for p in params:
+        weight = p.numel() * p.element_size()
+        total += weight + (weight + p.numel() * OPTIMIZER_STATE_BYTES if p.requires_grad else 0)
+    return total
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """Bytes of training state: per block, and outside the block list.
+
+    Every rank holds all weights outside the block list; their gradients and optimizer state
+    live where they are trained: ``pre`` on the first stage, ``post`` on the last (a weight
+    tied between them, on both).
+    """
+
+    blocks: tuple[float, ...]
+    shared_weights: float
+    pre_training: float
+    post_training: float
+
+    @classmethod
+    def of(cls, split: BlockSplit) -> ModelMemory:
+        in_blocks = {id(p) for i in range(split.num_blocks) for p in split.block_parameters(i)}
+        shared = [p for p in split.root.parameters() if id(p) not in in_blocks]
+        pre = {id(p) for p in split.pre_parameters()}
+        post = {id(p) for _, module in split.post for p in module.parameters()}
+        pre_params = [p for p in shared if id(p) in pre]
+        post_params = [p for p in shared if id(p) in post or id(p) not in pre]
+        return cls(
+            tuple(training_bytes(split.block_parameters(i)) for i in range(split.num_blocks)),
+            _weight_bytes(shared),
+            training_bytes(pre_params) - _weight_bytes(pre_params),
+            training_bytes(post_params) - _weight_bytes(post_params),
+        )
+
+    def stage_bytes(self, bounds: Sequence[tuple[int, int]]) -> list[float]:
+        """Training-state bytes of each stage of a partition."""
+        last = len(bounds) - 1
+        return [
+            sum(self.blocks[start:end])
+            + self.shared_weights
+            + (self.pre_training if stage == 0 else 0.0)
+            + (self.post_training if stage == last else 0.0)
+            for stage, (start, end) in enumerate(bounds)
+        ]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A possible initial layout: its plan, its largest stage's bytes, whether that fits."""
+
+    plan: Plan
+    peak_bytes: float
+    fits: bool
+
+
+def choose_initial_plan(
+    costs: Sequence[float],
+    memory: ModelMemory,
+    world_size: int,
+    max_length: int,
+    budget_bytes: float,
+    num_microbatches: int | None = None,
+) -> tuple[Plan, list[Candidate]]:
+    """The initial plan for ``pipeline_length="auto"``, and every candidate considered.
+
+    Candidates are the divisors of ``world_size`` up to ``max_length``. A candidate fits when
+    its largest stage's training state takes at most ``1 - ACTIVATION_SHARE`` of
+    ``budget_bytes``; the fastest fitting one by the throughput model is chosen (the shorter
+    pipeline on a tie), or the one needing the least memory when none fits.
+    """
+    candidates = []
+    for k in divisors(world_size):
+        if k > max_length:
+            continue
+        plan = make_plan(costs, 0, world_size, k, num_microbatches)
+        peak = max(memory.stage_bytes(plan.bounds))
+        candidates.append(Candidate(plan, peak, peak <= budget_bytes * (1 - ACTIVATION_SHARE)))
+    fitting = [c for c in candidates if c.fits]
+    if fitting:
+        best = max(fitting, key=lambda c: (c.plan.predicted_throughput, -c.plan.layout.pipeline_length))
+    else:
+        best = min(candidates, key=lambda c: (c.peak_bytes, c.plan.layout.pipeline_length))
+    return best.plan, candidates
+
+
+def device_memory(device: torch.device, processes_per_node: int) -> float:
+    """A device's memory in bytes: the GPU's, or the host's divided among the node's processes."""
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / max(1, processes_per_node)
+
+
+def explain_choice(chosen: Plan, candidates: Sequence[Candidate], budget_bytes: float) -> str:
+    """One line on why ``chosen`` was picked among ``candidates``."""
+    limit = budget_bytes * (1 - ACTIVATION_SHARE)
+    rows = ", ".join(
+        f"{c.plan.layout} {c.peak_bytes / 2**30:.2f} GiB x{c.plan.predicted_throughput / chosen.predicted_throughput:.2f}"
+        f"{'' if c.fits else ' too big'}"
+        for c in candidates
+    )
+    why = "the fastest predicted whose" if any(c.fits for c in candidates) else "none fits; the smallest"
+    return (
+        f"layout {chosen.layout}: {why} largest stage's weights, gradients and optimizer state fit in "
+        f"{limit / 2**30:.2f} GiB ({1 - ACTIVATION_SHARE:.0%} of {budget_bytes / 2**30:.2f} GiB per device, the rest "
+        f"kept for activations). Candidates (GiB per device, throughput relative to the choice): {rows}"
+    )

@@ -22,20 +22,30 @@ from torch.distributed.constants import default_pg_timeout
 from torch.utils.data import DataLoader
 
 from lightning_pipetx.blocks import BlockSplit, find_blocks
-from lightning_pipetx.strategy.autopipe import FROZEN_TIME, Plan, block_costs, choose_plan, make_plan
+from lightning_pipetx.strategy.autopipe import (
+    FROZEN_TIME,
+    ModelMemory,
+    Plan,
+    block_costs,
+    choose_initial_plan,
+    choose_plan,
+    device_memory,
+    explain_choice,
+    make_plan,
+)
 from lightning_pipetx.strategy.cache import ActivationCache, cache_directories, gather_cache_stats
 from lightning_pipetx.strategy.checkpoint import atomic_save, gather_optimizer_state
 from lightning_pipetx.strategy.dataloading import RecordingBatchSampler, global_batch_fits, rebatch, recording
 from lightning_pipetx.strategy.engine import PipelineEngine
 from lightning_pipetx.strategy.failure import FailureAgreement, explain_training_outputs, log_incomplete_model
 from lightning_pipetx.strategy.lightning_compat import check_lightning_internals
-from lightning_pipetx.strategy.loss_scaling import AgreedGradScaler
+from lightning_pipetx.strategy.loss_scaling import agreeing_scaler
 from lightning_pipetx.strategy.model_checks import CollectedOutputChecks, UnsupportedOutputsError
 from lightning_pipetx.strategy.output_relay import EvalMetricGroups
 from lightning_pipetx.strategy.param_store import ParamStore
 from lightning_pipetx.strategy.predictions import gather_loop_predictions
 from lightning_pipetx.strategy.stage_runner import SCHEDULES
-from lightning_pipetx.strategy.topology import Layout, divisors
+from lightning_pipetx.strategy.topology import Layout
 from lightning_pipetx.strategy.transition import drop_optimizer_state, move_blocks
 
 log = logging.getLogger("lightning_pipetx")
@@ -64,8 +74,10 @@ class ElasticPipelineStrategy(DDPStrategy):
     multiple of ``pipeline_length``; the rest of the ranks become data-parallel replicas.
 
     Args:
-        pipeline_length: stages per replica. ``"auto"``: the largest divisor of the world size
-            that fits on one node and does not exceed the number of blocks.
+        pipeline_length: stages per replica. ``"auto"``: the layout predicted fastest among
+            those whose stages' weights, gradients and optimizer state fit in half of
+            ``memory_budget`` (the shortest pipeline that fits: one stage if the model fits a
+            device), up to one node and the number of blocks.
         num_microbatches: micro-batches per batch. ``"auto"``: 1 without a pipeline, else
             ``2 * pipeline_length``. A batch smaller than this is split into one-sample
             micro-batches.
@@ -80,6 +92,9 @@ class ElasticPipelineStrategy(DDPStrategy):
         cache_dir: AutoCache's disk folder, beyond ``cache_ram_bytes`` of RAM (``$TMPDIR``
             by default).
         cache_ram_bytes: host RAM (``/dev/shm``) AutoCache may use per node.
+        memory_budget: bytes of memory per device for ``pipeline_length="auto"``; by default the
+            GPU's memory, or on CPU the host's memory divided among this node's processes.
+        bucket_cap_mb: size of a gradient bucket (all-reduced as one), as for DDP.
         **kwargs: DDPStrategy's arguments (``process_group_backend``, ``timeout``,
             ``start_method``, ``cluster_environment``, ...).
 
@@ -101,6 +116,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         profile_steps: int = 3,
         cache_dir: str | None = None,
         cache_ram_bytes: int = 8 * 2**30,
+        memory_budget: int | None = None,
+        bucket_cap_mb: float = 25.0,
         **kwargs: Any,
     ) -> None:
         _positive_or_auto("pipeline_length", pipeline_length)
@@ -111,6 +128,10 @@ class ElasticPipelineStrategy(DDPStrategy):
             raise ValueError(f"ElasticPipelineStrategy(profile_steps={profile_steps!r}): use a whole number >= 0.")
         if cache not in ("auto", True, False):
             raise ValueError(f"ElasticPipelineStrategy(cache={cache!r}): use 'auto', True or False.")
+        if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):
+            raise ValueError(f"ElasticPipelineStrategy(memory_budget={memory_budget!r}): use a number of bytes > 0.")
+        if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
+            raise ValueError(f"ElasticPipelineStrategy(bucket_cap_mb={bucket_cap_mb!r}): use a size in MB > 0.")
         super().__init__(**kwargs)
         self.timeout = kwargs.get("timeout") or default_pg_timeout
         self.pipeline_length = pipeline_length
@@ -121,6 +142,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         self.keep_global_batch = keep_global_batch
         self.cache = cache
         self.profile_steps = profile_steps
+        self.memory_budget = memory_budget
+        self.bucket_cap_mb = bucket_cap_mb
         self.engine: PipelineEngine | None = None
         self._split: BlockSplit | None = None
         self._sync_grads = True
@@ -163,7 +186,14 @@ class ElasticPipelineStrategy(DDPStrategy):
         world = self.world_size
         if self.pipeline_length == "auto":
             per_node = max(1, world // max(1, self.num_nodes))
-            return max(k for k in divisors(world) if k <= min(per_node, split.num_blocks))
+            microbatches = None if self.num_microbatches == "auto" else self.num_microbatches
+            budget = self._memory_budget()
+            plan, candidates = choose_initial_plan(
+                self._costs, ModelMemory.of(split), world, min(per_node, split.num_blocks), budget, microbatches
+            )
+            if self.is_global_zero:
+                log.info("pipetx: pipeline_length='auto': %s", explain_choice(plan, candidates, budget))
+            return plan.layout.pipeline_length
         Layout.for_world(world, self.pipeline_length)  # refuses a length that does not divide the world
         if self.pipeline_length > split.num_blocks:
             raise ValueError(
@@ -171,6 +201,15 @@ class ElasticPipelineStrategy(DDPStrategy):
                 f"{split.num_blocks} blocks of {split.path!r}: use a pipeline_length of at most {split.num_blocks}."
             )
         return self.pipeline_length
+
+    def _memory_budget(self) -> float:
+        """Bytes per device for the initial layout, the smallest over all ranks."""
+        budget = self.memory_budget or device_memory(self.root_device, self.num_processes)
+        if self.world_size > 1:
+            value = torch.tensor(budget, dtype=torch.float64, device=self.root_device)
+            dist.all_reduce(value, op=ReduceOp.MIN)
+            budget = float(value)
+        return budget
 
     def _plan(self, frozen: int) -> Plan:
         microbatches = None if self.num_microbatches == "auto" else self.num_microbatches
@@ -203,7 +242,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:  # precision="16-mixed": one scale and one overflow decision for all stages
-            self.precision_plugin.scaler = AgreedGradScaler.like(scaler, self.root_device)
+            self.precision_plugin.scaler = agreeing_scaler(scaler, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._broadcast_module_state()
@@ -248,6 +287,8 @@ class ElasticPipelineStrategy(DDPStrategy):
             self.root_device,
             self.schedule,
             self.timeout,
+            int(self.bucket_cap_mb * 2**20),
+            lambda: self.optimizers,
         )
         engine.cache, engine.frozen, engine.force_cache = self._cache, self._frozen, self.cache is True
         scaler = getattr(self.precision_plugin, "scaler", None)

@@ -8,13 +8,14 @@ gradient synchronisation and the released block weights.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from torch.optim import Optimizer
 
 from lightning_pipetx.blocks import BlockSplit
 from lightning_pipetx.strategy.autopipe import Plan
@@ -28,7 +29,6 @@ from lightning_pipetx.strategy.param_store import ParamStore, broadcast_, broadc
 from lightning_pipetx.strategy.stage_hooks import StageExit, StageHooks
 from lightning_pipetx.strategy.stage_runner import StageRunner, extract_loss, no_microbatch_context
 from lightning_pipetx.strategy.topology import Topology
-from lightning_pipetx.strategy.transition import broadcast_shared
 
 
 class PipelineEngine:
@@ -45,6 +45,7 @@ class PipelineEngine:
         schedule: str,
         timeout: timedelta | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        optimizers: Callable[[], Sequence[Optimizer]] = list,
     ) -> None:
         self.module = module
         self.split = split
@@ -77,6 +78,8 @@ class PipelineEngine:
             [p for p in all_params if id(p) not in block_param_ids],
             self.topology,
             bucket_bytes,
+            optimizers,
+            timeout,
         )
         self.runner.on_last_backward = self.grad_sync.arm
         self.recorder = LogRecorder(module)
@@ -172,6 +175,9 @@ class PipelineEngine:
                 outputs = self.runner.train(
                     microbatches, self._step_fn(step, args, kwargs, sizes), weights, self.schedule
                 )
+        except BaseException:
+            self.grad_sync.abort()  # no reduction starts after a failed schedule
+            raise
         finally:
             self.hooks.timer.active = False
             self.runner.microbatch_context = no_microbatch_context
@@ -229,14 +235,8 @@ class PipelineEngine:
         """Shared parameters are updated only on the stages that use them: copy them, with
         their optimizer state, to every rank (before a checkpoint, a transition, a new
         frozen prefix, or the end of the run). A collective over the world."""
-        if self.layout.world_size == 1:
-            return
-        owners = {}
-        for param in self.grad_sync.shared_params:
-            stage = self.grad_sync.owner_stage(param)
-            if stage is not None:
-                owners[id(param)] = self.layout.rank(0, stage)
-        broadcast_shared(self.grad_sync.shared_params, owners, optimizers, self.device)
+        if self.layout.world_size > 1:
+            self.grad_sync.share(optimizers)
 
     def block_state(self, prefix: str) -> dict[str, torch.Tensor]:
         return gather_block_state(

@@ -1,66 +1,61 @@
-"""Gradient all-reduce, bucketed and overlapped with the backward, and global-norm clipping.
+"""Gradient all-reduce across replicas, overlapped with the last backward, and global-norm clipping.
 
-Each parameter is averaged over the ranks that produce gradients for it, and only those:
+Two kinds of parameters:
 
-* *stage* parameters (the blocks a rank runs) over the stage group, one rank per replica;
-* *shared* parameters (outside the block list: embeddings, head, tied weights, weights that
-  every block uses) over the ranks of the stages that use them, in every replica; their
-  per-stage contributions add up to the replica's gradient.
+* *stage* parameters (the blocks a rank runs) are averaged over the stage group, one rank
+  per replica, as DDP would;
+* *shared* parameters (everything outside the block list: embeddings, head, tied weights)
+  live on every rank but get gradients only on the stages that use them. At the first
+  synchronised step of a layout, and again whenever a parameter's ``requires_grad`` changes
+  (a freeze), every rank reports which of them it has gradients for; from then on each is
+  summed only over the ranks of the stages that produce it (its own stage group when that is
+  one stage: no extra process group) and divided by the number of replicas. The other ranks
+  keep a stale copy, brought up to date by :meth:`GradientSync.share` (before checkpoints,
+  freezes, layout changes and the end of fit).
 
-Which stages use which parameter is found at the first synchronised step of a layout (one
-small all-reduce) and kept until the frozen prefix changes; as in DDP, a parameter found
-unused keeps ``grad=None`` (the optimizer skips it as one process would), and a parameter
-used at discovery that gets no gradient in a later step contributes zeros.
+Reductions run in buckets (:mod:`~lightning_pipetx.strategy.grad_buckets`). On a
+synchronised step, a post-accumulate-grad hook puts each parameter's gradient into its bucket
+during the backward of the step's *last* micro-batch (:meth:`GradientSync.arm`), when it is
+final, and a bucket's all-reduce starts as soon as it is full and every bucket before it has
+started: the same order on every rank of the group, and the reduction of late blocks overlaps
+the backward of early ones. Buckets reduced over several stages (a weight tied between the first and the last
+stage) start after the schedule, when point-to-point traffic is over, so that ranks never
+wait on two communicators in different orders (NCCL). DDP's own reducer cannot be used: it
+expects one backward per forward, while a pipeline runs many forwards before the backwards,
+and it reduces every parameter over one group.
 
-From the second step on, gradients are copied into flat buckets as the last micro-batch's
-backward produces them (``register_post_accumulate_grad_hook``), and each bucket's
-all-reduce starts as soon as it is full, while the backward goes on. After the backward
-(Lightning's ``backward``), the reduced buckets become the parameters' ``.grad``.
+Lightning zeroes ``.grad`` between ``training_step`` (where the pipeline runs its backwards)
+and ``backward``, except inside an accumulation window. The last step of a window therefore
+adds the window's earlier gradients into the buckets, and the hand-over checks that Lightning
+left ``.grad`` as expected. A parameter without a gradient on every rank keeps ``grad=None``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim import Optimizer
 
+from lightning_pipetx.strategy.grad_buckets import Bucket, make_buckets, wait_and_install
 from lightning_pipetx.strategy.topology import Topology
+from lightning_pipetx.strategy.transition import broadcast_shared
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
-
-
-@dataclass
-class _Bucket:
-    """Gradients of some parameters reduced together over one process group."""
-
-    params: list[nn.Parameter]
-    group: dist.ProcessGroup | None
-    buffer: torch.Tensor
-    offsets: list[int]
-    filled: set[int] = field(default_factory=set)
-    work: dist.Work | None = None
-
-    def put(self, position: int, grad: torch.Tensor) -> None:
-        start = self.offsets[position]
-        self.buffer[start : start + grad.numel()].copy_(grad.reshape(-1))
-        self.filled.add(position)
-
-    def launch(self) -> None:
-        self.work = dist.all_reduce(self.buffer, group=self.group, async_op=True)
-
-    def views(self) -> list[torch.Tensor]:
-        return [self.buffer[start : start + p.numel()].view_as(p) for p, start in zip(self.params, self.offsets)]
+Grads = Sequence[torch.Tensor | None]
 
 
 class UnexpectedGradientError(RuntimeError):
-    """A parameter got a gradient although no rank produced one when usage was discovered."""
+    """A weight outside the block list got a gradient on a stage that produced none for it
+    when the layout's gradient producers were found."""
 
 
 class GradientSync:
-    """Averages gradients as single-process training on the global batch would have them."""
+    """Synchronises the gradients of one layout: :meth:`begin_step`, :meth:`arm` (before the
+    last backward), :meth:`end_step` around the schedule, then :meth:`install` in ``backward``."""
 
     def __init__(
         self,
@@ -69,210 +64,260 @@ class GradientSync:
         shared_params: Sequence[nn.Parameter],
         topology: Topology,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        optimizers: Callable[[], Sequence[Optimizer]] = list,
+        timeout: timedelta | None = None,
     ) -> None:
         self.all_params = list(all_params)
         self.stage_params = list(stage_params)
         self.shared_params = list(shared_params)
         self.topology = topology
         self.bucket_bytes = bucket_bytes
-        self._stage_ids = {id(p) for p in self.stage_params}
-        self._index = {id(p): i for i, p in enumerate(self.all_params)}
-        # Usage, discovered at the first synchronised step: the stages that produce each
-        # parameter's gradient, and the buckets built from it.
-        self._usage: dict[int, tuple[int, ...]] | None = None
-        self._buckets: list[_Bucket] = []
-        self._bucket_of: dict[int, tuple[_Bucket, int]] = {}
-        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self.optimizers = optimizers
+        self.timeout = timeout
+        self.device = next((p.device for p in self.all_params), torch.device("cpu"))
+        self._order = {id(p): i for i, p in enumerate(self.all_params)}
+        # Found by discovery: which stages produce each shared parameter's gradient.
+        self.producers: dict[int, frozenset[int]] = {}
+        self.buckets: list[Bucket] = []  # over this stage's group, started during the last backward
+        self.late_buckets: list[Bucket] = []  # over several stages, started after the schedule
+        self._signature: tuple[bool, ...] | None = None  # requires_grad flags at discovery
+        self._slots: dict[int, tuple[Bucket, int]] = {}
         self._hooks: list = []
+        self._groups: dict[frozenset[int], dist.ProcessGroup] = {}
+        self._local: list[nn.Parameter] = []  # trained here, reduced nowhere (a group of one rank)
+        self._trained_here: set[int] = set()
+        self._stale = False
         # Per step.
         self._sync = False
-        self._armed = False
-        self._window_open = False  # earlier batches of this accumulation window left gradients in .grad
-        self._earlier: list[torch.Tensor | None] = []
+        self._armed_step = False  # a synchronised step of a known layout: the hooks fill the buckets
+        self._in_last_backward = False
+        self._next = 0
+        self._stashed: list[torch.Tensor | None] = []  # .grad as Lightning left it
+        self._earlier: dict[int, torch.Tensor] | None = None  # the window's gradients, added into buckets
         self._fresh: list[torch.Tensor | None] | None = None
+        self._window_open = False  # the previous step accumulated: Lightning will not zero .grad
         self.launched_during_backward = 0  # buckets whose all-reduce started before the backward ended
 
-    # ------------------------------------------------------------------ a step
+    # ------------------------------------------------------------ a step
     def begin_step(self, sync: bool) -> None:
-        """Before the schedule: gradients start from zero (Lightning's ``.grad`` is set aside)."""
+        """Before the schedule: the step's gradients start from None (``.grad`` is set aside).
+
+        On a synchronised step of a known layout the buckets get fresh buffers, to be filled
+        during the last backward."""
         self._sync = sync
-        self._earlier = [p.grad for p in self.all_params]
+        self._stashed = [p.grad for p in self.all_params]
         for p in self.all_params:
             p.grad = None
-        for bucket in self._buckets:
-            bucket.filled.clear()
-            bucket.work = None
-        if self._usage is not None and not self._hooks and self.topology.layout.world_size > 1:
-            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._bucketed_params()]
+        self._armed_step = sync and self._signature is not None and self._signature == self._current_signature()
+        if not self._armed_step:
+            return
+        self._earlier = None
+        if self._window_open:
+            self._earlier = {id(p): g for p, g in zip(self.all_params, self._stashed) if g is not None}
+        for bucket in self.buckets + self.late_buckets:
+            bucket.reset()
+        self._next = 0
 
     def arm(self) -> None:
-        """Called before this stage's last backward: its gradients are final as they arrive."""
-        self._armed = self._sync and self._usage is not None
+        """Called before this stage's last backward of the step: gradients are final as they arrive."""
+        self._in_last_backward = self._armed_step
+
+    def abort(self) -> None:
+        """The schedule failed: start no reduction."""
+        self._armed_step = self._in_last_backward = False
 
     def end_step(self) -> None:
-        """After the schedule: keep the new gradients aside and give ``.grad`` back."""
-        self._armed = False
+        """After the schedule: start the reductions not started yet, in order; keep the step's
+        gradients aside and give ``.grad`` back."""
+        self._in_last_backward = False
+        if self._armed_step:
+            for bucket in self.buckets[self._next :] + self.late_buckets:
+                bucket.fill_missing([p.grad for p in bucket.params], [self._earlier_grad(p) for p in bucket.params])
+                bucket.launch()
+            self._next = len(self.buckets)
         self._fresh = [p.grad for p in self.all_params]
-        for p, grad in zip(self.all_params, self._earlier):
+        for p, grad in zip(self.all_params, self._stashed):
             p.grad = grad
+        self._stashed = []
 
     def install(self) -> None:
-        """In Lightning's ``backward`` (after its ``zero_grad``): put the step's gradients in
-        ``.grad``, reduced over the replicas when this step synchronises."""
+        """In Lightning's ``backward`` (after its ``zero_grad``): add the step's gradients to
+        ``.grad``, reduced over the ranks that produce them when the step synchronises."""
         if self._fresh is None:
             raise RuntimeError("backward called without a pipelined training_step before it")
         fresh, self._fresh = self._fresh, None
-        earlier = self._earlier if self._window_open else [None] * len(fresh)
-        self._earlier = []
-        if not self._sync or self.topology.layout.world_size == 1:
-            for p, grad in zip(self.all_params, fresh):
-                if grad is not None:
-                    p.grad = grad if p.grad is None else p.grad.add_(grad)
-            self._window_open = not self._sync
+        if not self._sync:
+            _accumulate(self.all_params, fresh)
+            self._window_open = True
             return
-        self._window_open = False
-        totals = [_add(a, b) for a, b in zip(fresh, earlier)]
-        if self._usage is None:
-            self._discover(totals)
-        self._check_unexpected(totals)
-        for bucket in self._buckets:
-            if bucket.work is None:
-                for position, p in enumerate(bucket.params):
-                    if position not in bucket.filled:
-                        total = totals[self._index[id(p)]]
-                        bucket.put(position, total if total is not None else torch.zeros_like(p))
+        if self._armed_step:
+            if self.buckets or self.late_buckets:
+                self._check_zeroed()
+            wait_and_install(self.buckets + self.late_buckets)
+            _accumulate(self._local, [fresh[self._order[id(p)]] for p in self._local])
+            if self.topology.layout.world_size > 1:
+                self._check_unexpected(fresh)
+        else:
+            _accumulate(self.all_params, fresh)
+            if self._signature != self._current_signature():
+                self.share(self.optimizers())  # producers are about to change: bring every rank up to date
+                self._discover()
+            for bucket in self.buckets + self.late_buckets:
+                bucket.reset()
+                bucket.fill_missing([p.grad for p in bucket.params], [None] * len(bucket.params))
                 bucket.launch()
-        replicas = self.topology.layout.replicas
-        for bucket in self._buckets:
-            bucket.work.wait()
-            if replicas > 1:
-                bucket.buffer.div_(replicas)
-            for p, view in zip(bucket.params, bucket.views()):
-                p.grad = view
-        for p, total in zip(self.all_params, totals):
-            if id(p) not in self._bucket_of:
-                p.grad = total if self._usage.get(id(p)) else None
+            wait_and_install(self.buckets + self.late_buckets)
+        self._armed_step = self._window_open = False
+        if any(0 < len(stages) < self.topology.pipeline_length for stages in self.producers.values()):
+            self._stale = True
 
-    def _on_grad(self, param: nn.Parameter) -> None:
-        if not self._armed:
+    # ---------------------------------------------------------- hooks
+    def _on_gradient(self, param: nn.Parameter) -> None:
+        if not self._in_last_backward:
             return
-        bucket, position = self._bucket_of[id(param)]
-        grad = param.grad
-        if self._window_open:
-            earlier = self._earlier[self._index[id(param)]]
-            if earlier is not None:
-                grad = grad + earlier
-        bucket.put(position, grad)
-        if len(bucket.filled) == len(bucket.params):
-            bucket.launch()
+        bucket, index = self._slots[id(param)]
+        bucket.fill(index, param.grad, self._earlier_grad(param))
+        while self._next < len(self.buckets) and self.buckets[self._next].complete:
+            self.buckets[self._next].launch()
+            self._next += 1
             self.launched_during_backward += 1
 
-    # ---------------------------------------------------------------- usage
-    def stages_using(self, param: nn.Parameter) -> tuple[int, ...] | None:
-        """The stages whose gradients make up ``param``'s (None before discovery)."""
-        return None if self._usage is None else self._stages_of(param)
+    def _earlier_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+        return None if self._earlier is None else self._earlier.get(id(param))
 
-    def owner_stage(self, param: nn.Parameter) -> int | None:
-        """For a shared parameter that only some stages update: the first of them
-        (None when every rank holds the same value)."""
-        if self._usage is None or id(param) in self._stage_ids:
-            return None
-        stages = self._usage.get(id(param), ())
-        return stages[0] if stages and len(stages) < self.topology.pipeline_length else None
+    # ---------------------------------------------------------- checks
+    def _check_zeroed(self) -> None:
+        """The buckets assumed that Lightning zeroes ``.grad`` exactly at the start of a window."""
+        if self._earlier is not None:
+            kept = all(p.grad is self._earlier[id(p)] for p in self.all_params if id(p) in self._earlier)
+        else:
+            left = [p.grad.detach() for p in self.all_params if p.grad is not None and p.grad.numel()]
+            kept = not left or not bool(torch.stack([g.abs().amax().float() for g in left]).amax() > 0)
+        if not kept:
+            raise RuntimeError(
+                "ElasticPipelineStrategy: .grad was not zeroed as Lightning zeroes it (at the first batch of each "
+                "accumulation window, never inside one), so the gradients reduced during the backward are wrong. "
+                "Does an optimizer_zero_grad override skip or add zeroing?"
+            )
 
-    def reset_usage(self) -> None:
-        """Forget which parameters get gradients (the frozen prefix changed)."""
-        self._remove_hooks()
-        self._usage = None
-        self._buckets, self._bucket_of = [], {}
-
-    def _discover(self, totals: list[torch.Tensor | None]) -> None:
-        """Agree on the stages that produce each parameter's gradient; build the buckets."""
-        layout, stage = self.topology.layout, self.topology.stage
-        device = next((g.device for g in totals if g is not None), torch.device("cpu"))
-        mask = torch.zeros(len(self.all_params), layout.pipeline_length, dtype=torch.uint8, device=device)
-        for i, grad in enumerate(totals):
-            mask[i, stage] = int(grad is not None)
-        dist.all_reduce(mask, op=dist.ReduceOp.MAX)
-        rows = mask.cpu().tolist()
-        self._usage = {id(p): tuple(s for s, used in enumerate(row) if used) for p, row in zip(self.all_params, rows)}
-        stage_sets = sorted({stages for stages in self._usage.values() if len(stages) > 1})
-        for stages in stage_sets:  # every rank creates every group, in the same order
-            if stages not in self._groups:
-                ranks = sorted(layout.rank(r, s) for r in range(layout.replicas) for s in stages)
-                self._groups[stages] = dist.new_group(ranks)
-        self._build_buckets()
-
-    def _stages_of(self, param: nn.Parameter) -> tuple[int, ...]:
-        stages = self._usage.get(id(param), ())
-        if id(param) in self._stage_ids:
-            return (self.topology.stage,) if stages else ()
-        return stages
-
-    def _group_for(self, stages: tuple[int, ...]) -> tuple[dist.ProcessGroup | None, int]:
-        layout = self.topology.layout
-        if len(stages) == 1:
-            return self.topology.stage_group, layout.replicas
-        return self._groups[stages], layout.replicas * len(stages)
-
-    def _bucketed_params(self) -> list[nn.Parameter]:
-        return [p for bucket in self._buckets for p in bucket.params]
-
-    def _build_buckets(self) -> None:
-        """Buckets in reverse parameter order (the order backward produces gradients)."""
-        self._buckets, self._bucket_of = [], {}
-        open_buckets: dict[tuple, list[nn.Parameter]] = {}
-        my_stage = self.topology.stage
-
-        def close(key: tuple) -> None:
-            params = open_buckets.pop(key)
-            offsets = [0]
-            for p in params[:-1]:
-                offsets.append(offsets[-1] + p.numel())
-            numel = offsets[-1] + params[-1].numel()
-            buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
-            bucket = _Bucket(params, key[0], buffer, offsets)
-            for position, p in enumerate(params):
-                self._bucket_of[id(p)] = (bucket, position)
-            self._buckets.append(bucket)
-
-        for p in reversed(self.all_params):
-            stages = self._stages_of(p)
-            if my_stage not in stages:
-                continue
-            group, size = self._group_for(stages)
-            if size == 1:
-                continue
-            key = (group, p.dtype, p.device)
-            open_buckets.setdefault(key, []).append(p)
-            if sum(q.numel() * q.element_size() for q in open_buckets[key]) >= self.bucket_bytes:
-                close(key)
-        for key in list(open_buckets):
-            close(key)
-
-    def _check_unexpected(self, totals: list[torch.Tensor | None]) -> None:
-        for p, total in zip(self.all_params, totals):
-            if total is not None and self.topology.stage not in self._stages_of(p):
+    def _check_unexpected(self, fresh: Grads) -> None:
+        for position, (param, grad) in enumerate(zip(self.all_params, fresh)):
+            if grad is not None and id(param) not in self._trained_here:
                 raise UnexpectedGradientError(
-                    f"parameter {self._index[id(p)]} of shape {tuple(p.shape)} got a gradient on stage {self.topology.stage}, "
-                    f"but no gradient when ElasticPipelineStrategy found which parameters are used (the first "
-                    f"step of this layout). Parameters whose use changes from step to step are not supported: "
-                    f"use every trainable parameter in every step, or set requires_grad=False on the others."
+                    f"ElasticPipelineStrategy: parameter #{position} (shape {tuple(param.shape)}, outside the block "
+                    f"list) got a gradient on stage {self.topology.stage}, which produced none for it in the first "
+                    "step of this layout. Gradients of weights outside the block list are reduced only over the "
+                    "stages found to produce them then; a weight used only in some steps is not supported. Make it "
+                    "take part in every step (for example multiply its output by 0 when unused)."
                 )
 
-    # ------------------------------------------------------------- clipping
+    # ------------------------------------------------------- discovery
+    def _current_signature(self) -> tuple[bool, ...]:
+        return tuple(p.requires_grad for p in self.all_params)
+
+    def _discover(self) -> None:
+        """Agree on which stages produce each shared gradient; build groups, buckets and hooks."""
+        layout, stage = self.topology.layout, self.topology.stage
+        mask = torch.tensor([p.grad is not None for p in self.shared_params], dtype=torch.uint8, device=self.device)
+        gathered = [mask]
+        if layout.world_size > 1:
+            gathered = [torch.empty_like(mask) for _ in range(layout.world_size)]
+            dist.all_gather(gathered, mask)
+        rows = [row.tolist() for row in gathered]
+        self.producers = {
+            id(p): frozenset(layout.coords(rank)[1] for rank, row in enumerate(rows) if row[j])
+            for j, p in enumerate(self.shared_params)
+        }
+        self._signature = self._current_signature()
+        self._build(stage)
+
+    def _group(self, stages: frozenset[int]) -> dist.ProcessGroup | None:
+        if len(stages) == self.topology.pipeline_length:
+            return None  # the world
+        return self._groups[stages]
+
+    def _build(self, stage: int) -> None:
+        layout = self.topology.layout
+        for stages in sorted({s for s in self.producers.values() if 1 < len(s) < layout.pipeline_length}, key=sorted):
+            if stages not in self._groups:  # every rank creates every group, in the same order
+                ranks = sorted(r for s in stages for r in layout.stage_ranks(s))
+                self._groups[stages] = dist.new_group(ranks, timeout=self.timeout)
+        trainable = [p for p in self.stage_params if p.requires_grad]
+        shared = [p for p in self.shared_params if stage in self.producers[id(p)]]
+        self._trained_here = {id(p) for p in trainable + shared}
+        reverse = lambda params: sorted(params, key=lambda p: -self._order[id(p)])  # noqa: E731 - backward order
+        own = trainable + [p for p in shared if len(self.producers[id(p)]) == 1]
+        multi = [p for p in shared if len(self.producers[id(p)]) > 1]
+        replicas = layout.replicas
+        self._local = own if replicas == 1 else []
+        self.buckets = (
+            [] if replicas == 1 else make_buckets(reverse(own), self.topology.stage_group, replicas, self.bucket_bytes)
+        )
+        self.late_buckets = []
+        for stages in sorted({self.producers[id(p)] for p in multi}, key=sorted):
+            members = reverse([p for p in multi if self.producers[id(p)] == stages])
+            self.late_buckets += make_buckets(members, self._group(stages), replicas, self.bucket_bytes)
+        for handle in self._hooks:
+            handle.remove()
+        self._slots = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for b in self.buckets for p in b.params]
+
+    # ------------------------------------------------------ who trains what
+    def stages_using(self, param: nn.Parameter) -> tuple[int, ...] | None:
+        """The stages whose gradients make up ``param``'s (None before discovery)."""
+        if self._signature is None:
+            return None
+        if id(param) in self.producers:
+            return tuple(sorted(self.producers[id(param)]))
+        return (self.topology.stage,) if id(param) in self._trained_here else ()
+
+    def owner_stage(self, param: nn.Parameter) -> int | None:
+        """For a shared parameter that only some stages update: the first of them (None when
+        every rank updates it, or none does)."""
+        stages = self.producers.get(id(param), frozenset())
+        return min(stages) if 0 < len(stages) < self.topology.pipeline_length else None
+
+    def reset_usage(self) -> None:
+        """Find the producers again at the next synchronised step (call :meth:`share` first)."""
+        self._signature = None
+
+    # --------------------------------------------------- stale copies
+    def share(self, optimizers: Sequence[Optimizer]) -> None:
+        """Give every rank the current shared weights, with their optimizer state, from a rank
+        that updates them; nothing when no copy is stale. A collective over the world."""
+        if not self._stale:
+            return
+        self._stale = False
+        layout = self.topology.layout
+        owners = {}
+        for param in self.shared_params:
+            stage = self.owner_stage(param)
+            if stage is not None:
+                owners[id(param)] = layout.rank(0, stage)
+        broadcast_shared(self.shared_params, owners, list(optimizers), self.device)
+
+    def close(self) -> None:
+        """Remove the hooks and free the process groups this object created."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        for group in self._groups.values():
+            dist.destroy_process_group(group)
+        self._groups.clear()
+
+    # --------------------------------------------------------- clipping
     def clip_by_norm(self, max_norm: float) -> torch.Tensor:
         """Clip every local gradient by the norm over all stages' gradients (one replica)."""
+        stage = self.topology.stage
         counted, local = [], []
-        for p in self.all_params:
+        for p in self.stage_params + self.shared_params:
             if p.grad is None:
                 continue
             local.append(p.grad)
-            stages = self._stages_of(p) if self._usage is not None else (self.topology.stage,)
-            if id(p) in self._stage_ids or not stages or self.topology.stage == stages[0]:
-                counted.append(p.grad)  # a shared gradient is equal on its stages: count it once
-        device = next((g.device for g in local), torch.device("cpu"))
-        squares = torch.zeros((), dtype=torch.float32, device=device)
+            stages = self.producers.get(id(p))
+            if not stages or stage == min(stages):  # a shared gradient is equal on its stages: count it once
+                counted.append(p.grad)
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
         for grad in counted:
             squares += grad.detach().float().pow(2).sum()
         if self.topology.pipeline_length > 1:
@@ -283,21 +328,12 @@ class GradientSync:
             grad.mul_(coef.to(grad.dtype))
         return total
 
-    # --------------------------------------------------------------- teardown
-    def _remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
 
-    def close(self) -> None:
-        """Remove the hooks and free the process groups this object created."""
-        self._remove_hooks()
-        for group in self._groups.values():
-            dist.destroy_process_group(group)
-        self._groups.clear()
-
-
-def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
-    if a is None:
-        return b
-    return a if b is None else a + b
+def _accumulate(params: Sequence[nn.Parameter], grads: Grads) -> None:
+    for param, grad in zip(params, grads):
+        if grad is None:
+            continue
+        if param.grad is None:
+            param.grad = grad
+        else:
+            param.grad.add_(grad)
