@@ -1,12 +1,15 @@
 """AutoCache on one device: exact, hits once warm, incremental, guarded, and bounded in RAM."""
 
 import lightning.pytorch as pl
+import pytest
 import tiny_models as tm
 import torch
 from lightning.pytorch.callbacks import Callback
+from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
+from lightning_pipetx.strategy.cache import TrainablePrefixError
 
 
 class HitRates(Callback):
@@ -22,8 +25,8 @@ class HitRates(Callback):
         )
 
 
-def fit(cache, dataset, tmp_path, epochs=4, freeze_interval=1, collate_fn=None, **strategy_kwargs):
-    module = tm.TinyBertClassifier(seed=0, dropout=0.0)
+def fit(cache, dataset, tmp_path, epochs=4, freeze_interval=1, collate_fn=None, module=None, **strategy_kwargs):
+    module = module or tm.TinyBertClassifier(seed=0, dropout=0.0)
     freeze = FreezeCallback(alpha=1 / 2, signal="schedule", freeze_interval=freeze_interval)
     rates = HitRates()
     strategy = ElasticPipelineStrategy(
@@ -120,3 +123,72 @@ def test_cache_false_records_nothing(tmp_path):
     _, _, trainer = fit(False, tm.RandomTokenDataset(size=32, seed=1), tmp_path, epochs=2)
     assert "pipetx/cache_hit_rate" not in trainer.callback_metrics
     assert trainer.callback_metrics["pipetx/frozen_blocks"] == 2
+
+
+def test_a_tied_input_embedding_that_still_trains_keeps_the_cache_off(tmp_path, caplog):
+    # GPT-2's input embedding is its LM head's weight: it trains after the blocks freeze.
+    data = tm.RandomTokenDataset(size=32, seed=1)
+    uncached, _, _ = fit(False, data, tmp_path, module=tm.TinyGPT2LM(seed=0, dropout=0.0))
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        auto, rates, _ = fit("auto", data, tmp_path, module=tm.TinyGPT2LM(seed=0, dropout=0.0))
+    _same(auto, uncached)
+    assert all(rate in (None, 0.0) for rate in rates)
+    messages = " ".join(r.message for r in caplog.records)
+    assert "AutoCache switched off" in messages and "model.transformer.wte.weight" in messages
+    with pytest.raises(TrainablePrefixError, match="cache=False"):
+        fit(True, data, tmp_path, module=tm.TinyGPT2LM(seed=0, dropout=0.0))
+
+
+class BiasedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(tm.HIDDEN, tm.HIDDEN)
+
+    def forward(self, hidden, bias):
+        return hidden + torch.tanh(self.linear(hidden) + bias)
+
+
+class Encoder(nn.Module):
+    """Every block reads ``relative.weight``, registered after the blocks (as DeBERTa's relative
+    embeddings are): it is not part of the frozen prefix and keeps training."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(BiasedBlock() for _ in range(tm.LAYERS))
+        self.relative = nn.Linear(1, tm.HIDDEN, bias=False)
+
+    def forward(self, hidden):
+        for layer in self.layers:
+            hidden = layer(hidden, self.relative.weight[:, 0])
+        return hidden
+
+
+class RelativeBiasNet(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(8, tm.HIDDEN)
+        self.encoder = Encoder()
+        self.head = nn.Linear(tm.HIDDEN, 2)
+
+    def forward(self, x):
+        return self.head(self.encoder(self.embed(x)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("cache", [True, "auto"])
+def test_a_weight_the_frozen_blocks_read_from_outside_keeps_the_cache_off(tmp_path, caplog, cache):
+    data = tm.RandomVectorDataset(size=32, seed=1)
+    uncached, _, _ = fit(False, data, tmp_path, module=RelativeBiasNet())
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        cached, rates, _ = fit(cache, data, tmp_path, module=RelativeBiasNet())
+    _same(cached, uncached)
+    assert all(rate in (None, 0.0) for rate in rates)
+    messages = " ".join(r.message for r in caplog.records)
+    assert "AutoCache switched off" in messages and "requires a gradient" in messages

@@ -8,7 +8,11 @@ too. Arrays go to RAM (``/dev/shm``) up to a byte budget, beyond it to a disk di
 When the depth grows from ``F1`` to ``F2``, a sample cached at ``F1`` runs blocks
 ``[F1, F2)`` only.
 
-Guards: a fingerprint of every sample's input is kept; a sample whose input changes
+Guards: the frozen prefix must not train. A weight of ``pre`` or of a frozen block that
+still requires a gradient (GPT-2's input embedding, tied to its LM head) is found when the
+blocks freeze; a trainable weight the prefix uses from elsewhere (one registered after the
+blocks) is found when the first state is cached, because that state then requires a
+gradient. Either way a cached state would be stale and its gradient lost. A fingerprint of every sample's input is kept; a sample whose input changes
 between epochs (random augmentation, or dynamic padding that pads it differently) switches
 the cache off for the run, with one warning. So does a hidden state whose shape differs
 from the ones already cached.
@@ -27,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_pipetx.blocks import BlockSplit
 from lightning_pipetx.strategy.microbatch import _tensors
 from lightning_pipetx.strategy.p2p import Activation
 
@@ -38,6 +43,29 @@ _SHM = Path("/dev/shm")
 def _shared(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A tensor backed by ``path``, shared with every process that maps the same file."""
     return torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+
+
+class TrainablePrefixError(ValueError):
+    """``cache=True`` was asked for a frozen prefix that still has a trainable weight."""
+
+
+def trainable_prefix_weights(root: torch.nn.Module, split: BlockSplit, frozen_blocks: int) -> list[str]:
+    """Names of the weights of ``pre`` and blocks ``[0, frozen_blocks)`` that still require a gradient."""
+    if frozen_blocks <= 0:
+        return []
+    prefix = {id(p) for p in split.pre_parameters()}
+    for i in range(frozen_blocks):
+        prefix.update(id(p) for p in split.block_parameters(i))
+    return [name for name, p in root.named_parameters() if id(p) in prefix and p.requires_grad]
+
+
+def trainable_prefix_reason(names: list[str]) -> str:
+    """Why the cache cannot serve a prefix in which ``names`` still train."""
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (
+        f"the frozen prefix still trains {shown} (for example an input embedding tied to the output layer, as in "
+        f"GPT-2): cached hidden states would go stale and the gradient through them would be lost"
+    )
 
 
 def sample_fingerprints(batch: Any, size: int) -> torch.Tensor:
@@ -127,6 +155,13 @@ class ActivationCache:
             )
             return
         hidden, tuple_len = output.tensor, output.tuple_len
+        if hidden.requires_grad:
+            self.disable(
+                "the frozen blocks' output requires a gradient: a weight they use from outside the frozen prefix "
+                "(registered after the blocks) still trains, so a cached state would go stale and its gradient "
+                "would be lost. Freeze that weight too, or pass cache=False"
+            )
+            return
         store = self._stores.get(depth) or self._open(depth, tuple(hidden.shape[1:]), hidden.dtype, tuple_len)
         if tuple(store.data.shape[1:]) != tuple(hidden.shape[1:]):
             self.disable(

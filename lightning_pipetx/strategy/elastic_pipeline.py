@@ -33,7 +33,14 @@ from lightning_pipetx.strategy.autopipe import (
     explain_choice,
     make_plan,
 )
-from lightning_pipetx.strategy.cache import ActivationCache, cache_directories, gather_cache_stats
+from lightning_pipetx.strategy.cache import (
+    ActivationCache,
+    TrainablePrefixError,
+    cache_directories,
+    gather_cache_stats,
+    trainable_prefix_reason,
+    trainable_prefix_weights,
+)
 from lightning_pipetx.strategy.checkpoint import atomic_save, gather_optimizer_state
 from lightning_pipetx.strategy.dataloading import RecordingBatchSampler, global_batch_fits, rebatch, recording
 from lightning_pipetx.strategy.engine import PipelineEngine
@@ -308,6 +315,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         engine = self._require_engine()
         engine.share_updated_params(self.optimizers)
         engine.frozen = frozen_blocks
+        self._refuse_trainable_prefix(frozen_blocks)
         if self._cache is not None:
             self._cache.drop_below(frozen_blocks)
         if not self.elastic:
@@ -421,6 +429,23 @@ class ElasticPipelineStrategy(DDPStrategy):
         reason = f"{model} was asked for {what}, which needs every block to run, and a cache hit skips the frozen ones"
         if self.cache is True:
             raise UnsupportedOutputsError(f"{reason}: pass cache=False (or cache='auto') to ElasticPipelineStrategy.")
+        self._cache_refusal = reason
+        if self._cache is not None and self._cache.enabled:
+            self._cache.disable(reason + ".")
+
+    def _refuse_trainable_prefix(self, frozen_blocks: int) -> None:
+        """AutoCache cannot serve a frozen prefix that still has a trainable weight."""
+        if self.cache is False or self._split is None:
+            return
+        names = trainable_prefix_weights(self.lightning_module, self._split, frozen_blocks)
+        if not names:
+            return
+        reason = trainable_prefix_reason(names)
+        if self.cache is True:
+            raise TrainablePrefixError(
+                f"ElasticPipelineStrategy(cache=True): {reason}. Pass cache=False (or cache='auto', which turns "
+                f"the cache off for such a model), or freeze or untie those weights."
+            )
         self._cache_refusal = reason
         if self._cache is not None and self._cache.enabled:
             self._cache.disable(reason + ".")
