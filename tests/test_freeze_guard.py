@@ -1,0 +1,80 @@
+"""FreezeCallback's guard: no more freezing once the monitored validation metric degrades."""
+
+import pytest
+import tiny_models as tm
+import torch
+
+from lightning_pipetx import FreezeCallback
+from lightning_pipetx.callbacks.freeze_guard import FreezeGuard
+
+
+def test_the_guard_trips_once_the_metric_is_worse_than_its_best_by_more_than_the_tolerance():
+    guard = FreezeGuard("val_acc", mode="max", tolerance=0.02)
+    assert [guard.observe({"val_acc": v}) for v in (0.80, 0.90, 0.89, 0.87)] == [False, False, False, True]
+    assert guard.best == pytest.approx(0.90)
+    loss = FreezeGuard("val_loss", mode="min")
+    assert [loss.observe({"val_loss": torch.tensor(v)}) for v in (1.0, 0.5, 0.5, 0.6)] == [False, False, False, True]
+    assert FreezeGuard("val_acc").observe({"val_acc": float("nan")})
+
+
+def test_bad_guard_settings_and_a_missing_metric_are_refused():
+    with pytest.raises(ValueError, match="mode"):
+        FreezeGuard("val_acc", mode="up")
+    with pytest.raises(ValueError, match="tolerance"):
+        FreezeGuard("val_acc", tolerance=-1)
+    with pytest.raises(ValueError, match=r"no such metric was logged \(logged: \['val_loss'\]\)"):
+        FreezeGuard("val_acc").observe({"val_loss": 1.0})
+
+
+class ScriptedAccuracy(tm.TinySequentialRegressor):
+    """Logs ``val_acc`` from a fixed list, one value per epoch."""
+
+    def __init__(self, accuracies):
+        super().__init__(seed=0, num_blocks=6)
+        self.accuracies = accuracies
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_acc", self.accuracies[self.current_epoch])
+
+
+def fit(accuracies, **freeze_kwargs):
+    freeze = FreezeCallback(alpha=1 / 3, signal="schedule", **freeze_kwargs)
+    trainer = tm.make_trainer([freeze], max_epochs=len(accuracies))
+    loader = tm.task_loader("sequential", size=16)
+    trainer.fit(ScriptedAccuracy(accuracies), loader, loader)
+    return freeze, trainer
+
+
+def test_freezing_stops_for_good_when_validation_accuracy_drops():
+    accuracies = [0.80, 0.85, 0.80, 0.90, 0.95]
+    unguarded, _ = fit(accuracies)
+    assert unguarded.frozen_blocks == 5  # 0 -> 2 -> 4 -> 5 (min_active_blocks=1)
+    guarded, trainer = fit(accuracies, monitor="val_acc", tolerance=0.02)
+    # Epoch 0: 2 frozen; epoch 1: 4 frozen; epoch 2's 0.80 is 0.05 below the best 0.85: stop.
+    assert guarded.frozen_blocks == 4 and guarded.guard.stopped
+    assert guarded.state_dict()["guard"] == {"best": pytest.approx(0.85), "stopped": True}
+    assert trainer.callback_metrics["pipetx/frozen_blocks"] == 4
+
+
+def test_within_the_tolerance_freezing_goes_on():
+    guarded, _ = fit([0.80, 0.85, 0.84, 0.84, 0.85], monitor="val_acc", tolerance=0.02)
+    assert guarded.frozen_blocks == 5 and not guarded.guard.stopped
+
+
+def test_the_guard_state_is_restored_from_a_checkpoint():
+    guarded = FreezeCallback(monitor="val_acc")
+    guarded.load_state_dict(
+        {
+            "frozen_blocks": 3,
+            "decisions": 2,
+            "norm_sums": None,
+            "norm_steps": 0,
+            "guard": {"best": 0.9, "stopped": True},
+        }
+    )
+    assert guarded.guard.best == 0.9 and guarded.guard.stopped and guarded.frozen_blocks == 3
+
+
+def test_a_monitor_that_is_not_logged_fails_with_the_logged_names():
+    with pytest.raises(ValueError, match="monitor='val_f1'"):
+        fit([0.8, 0.8], monitor="val_f1")
