@@ -7,7 +7,13 @@ import pytest
 import torch
 from distributed import run_workers
 from elastic_cases import build_module, reference_run, train_loader
-from recipes_cases import STEPS, fp16_reference, hidden_states_module, hook_counting_module
+from recipes_cases import (
+    STEPS,
+    fp16_reference,
+    hidden_states_module,
+    hook_counting_module,
+    scheduled_reference,
+)
 
 from lightning_pipetx.strategy.model_checks import UnsupportedOutputsError
 
@@ -111,3 +117,17 @@ def test_hidden_states_of_every_layer_switch_the_cache_off_on_one_device(tmp_pat
     assert trainer.callback_metrics.get("pipetx/cache_hit_rate", 0.0) == 0.0
     with pytest.raises(UnsupportedOutputsError, match="pass cache=False"):
         _fit_with_cache(hidden_states_module(), True, tmp_path, caplog)
+
+
+def test_an_lr_schedule_sized_in_configure_optimizers_sees_the_pipeline_s_batches(tmp_path):
+    # trainer.estimated_stepping_batches builds the training DataLoader inside configure_optimizers,
+    # before the pipeline exists: its sampler must already shard by replica (one here), or the two
+    # stages read different batches and the schedule counts half the steps.
+    run_workers("recipes_worker.py", 2, str(tmp_path), "scheduled")
+    expected = scheduled_reference()
+    reports = _reports(tmp_path, "scheduled")
+    assert [r["estimated_steps"] for r in reports] == [expected["estimated_steps"]] * 2 == [8, 8]
+    assert [r["global_step"] for r in reports] == [8, 8]
+    final = torch.load(tmp_path / "scheduled.pt", weights_only=True)["state"]
+    for key, value in expected["state"].items():
+        torch.testing.assert_close(final[key], value, atol=1e-5, rtol=1e-4, msg=key)

@@ -153,6 +153,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self.bucket_cap_mb = bucket_cap_mb
         self.engine: PipelineEngine | None = None
         self._split: BlockSplit | None = None
+        self._layout0: Layout | None = None
         self._sync_grads = True
         self._failed = False
         self._costs: list[float] = []
@@ -238,9 +239,10 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        if self.engine is None:  # before setup: every rank its own replica, as DDP
+        layout = self.engine.layout if self.engine is not None else self._layout0
+        if layout is None:  # before setup: every rank its own replica, as DDP
             return super().distributed_sampler_kwargs
-        return {"num_replicas": self.engine.layout.replicas, "rank": self.engine.topology.replica}
+        return {"num_replicas": layout.replicas, "rank": layout.coords(self.global_rank)[0]}
 
     # --------------------------------------------------------------- setup
     def setup(self, trainer: pl.Trainer) -> None:
@@ -263,11 +265,17 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._run_token = self.broadcast(uuid.uuid4().hex[:12] if self.is_global_zero else None)
         self._failed, self._moving = False, False
         self._agreement = FailureAgreement(self.world_size, self.timeout)
+        plan = self._plan(0)
+        # configure_optimizers may build the training DataLoader (trainer.estimated_stepping_batches,
+        # for an LR schedule): its sampler must already shard by replica, not by rank.
+        self._layout0 = plan.layout
         if trainer.state.fn == TrainerFn.FITTING:
             # configure_optimizers sees every weight as one process would (it may group them by
             # shape or read them); the blocks this rank does not run are released after it.
             self.setup_optimizers(trainer)
-        self.engine = self._build_engine(self._plan(0))
+        self.engine = self._build_engine(plan)
+        # A loader built by configure_optimizers did not pass through process_dataloader (AutoCache).
+        trainer.fit_loop._combined_loader = None
         self.engine.profile_steps = self.profile_steps
         drop_optimizer_state(self._split.blocks, self.optimizers, self.engine.block_range)
         self._patch_gradient_clipping()

@@ -68,6 +68,40 @@ class _InfOnce:
         return grad * float("inf") if self.calls == 1 else grad
 
 
+def scheduled_module() -> pl.LightningModule:
+    """A tiny BERT whose LR schedule is sized by ``trainer.estimated_stepping_batches`` (which
+    builds the training DataLoader inside configure_optimizers, as warm-up schedules do)."""
+    module = build_case_module({"model": "bert", "lr": 1e-3})
+
+    def configure_optimizers():
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        module.estimated_steps = module.trainer.estimated_stepping_batches
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / module.estimated_steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    module.configure_optimizers = configure_optimizers
+    return module
+
+
+def scheduled_reference() -> dict[str, torch.Tensor]:
+    """The scheduled run in one process, on the same global batches."""
+    module = scheduled_module()
+    dataset = TASKS["bert"].dataset(size=32, seed=1)
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, train_loader(GLOBAL_BATCH, sampler))
+    return {"state": module.state_dict(), "estimated_steps": module.estimated_steps}
+
+
 def fp16_module() -> pl.LightningModule:
     module = build_case_module({"model": "bert", "lr": 1e-3})
     first_block = module.model.bert.encoder.layer[0]

@@ -1,6 +1,6 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline); rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | random_collate | own_sampler | hidden_states | intermediates)
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | random_collate | own_sampler | hidden_states | intermediates | scheduled)
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do) and
 "own_sampler" turns Lightning's distributed sampler off: both give the two stages different
@@ -24,6 +24,7 @@ from recipes_cases import (
     hook_counting_module,
     intermediates_module,
     random_masking,
+    scheduled_module,
     train_loader,
 )
 
@@ -43,6 +44,7 @@ def main() -> None:
         "fp16": fp16_module,
         "hidden_states": hidden_states_module,
         "intermediates": intermediates_module,
+        "scheduled": scheduled_module,
     }.get(mode, hook_counting_module)()
     summary = SummaryAtFitStart()
     trainer = pl.Trainer(
@@ -51,7 +53,8 @@ def main() -> None:
         strategy=ElasticPipelineStrategy(pipeline_length=2, num_microbatches=2),
         plugins=[fp16_plugin()] if mode == "fp16" else None,
         use_distributed_sampler=mode != "own_sampler",
-        max_steps=STEPS,
+        max_steps=-1 if mode == "scheduled" else STEPS,
+        max_epochs=2 if mode == "scheduled" else None,
         callbacks=[summary],
         logger=False,
         enable_checkpointing=False,
@@ -66,6 +69,9 @@ def main() -> None:
     report = {"summary_parameters": summary.total_parameters}
     if mode == "hooks":
         report["hook_calls"] = module.hook_calls
+    elif mode == "scheduled":
+        report["estimated_steps"] = module.estimated_steps
+        report["global_step"] = trainer.global_step
     else:
         report["scale"] = trainer.precision_plugin.scaler.get_scale()
     with open(os.path.join(out_dir, f"{mode}_rank{rank}.json"), "w") as f:
