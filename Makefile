@@ -22,8 +22,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 install: $(VENV)/.installed
 
+# Pretrained MiniLM fine-tuned on 1,200 Rotten Tomatoes reviews on 2 CPU processes, 4 epochs:
+# Lightning's DDP, then the full system starting as a 2-stage pipeline (freezing, a transition
+# to 2 replicas, AutoCache), with their accuracy and wall time side by side. About 5 minutes.
 demo: $(VENV)/.installed
-	$(PY) examples/image_classification.py fit --config examples/configs/demo.yaml
+	$(PY) benchmarks/finetune.py --configs ddp,full --seeds 0 --train 1200 --val 400 --epochs 4 \
+		--pipeline-length 2 --report results/demo --out results/demo/finetune.json
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -15,6 +15,7 @@ Each for every ``--seeds``. Prints wall time (fit, validation included), its rat
 final and best validation accuracy and test accuracy, the ideal speed-up of the freeze
 schedule beside the measured one; writes JSON and a PNG of validation accuracy against wall time.
 Usage: python benchmarks/finetune.py [--small | --full] [--nprocs 2] [--seeds 0,1] [--accelerator cpu]
+(``make demo`` runs ``ddp`` and ``full`` on a smaller subset, the full system starting as a 2-stage pipeline.)
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def worker(args: argparse.Namespace) -> None:
     pl.seed_everything(args.seed)
     callbacks: list[Callback] = []
     if config == "full":
-        strategy, callbacks = ElasticPipelineStrategy(), [FreezeCallback()]
+        length = args.pipeline_length if args.pipeline_length == "auto" else int(args.pipeline_length)
+        strategy, callbacks = ElasticPipelineStrategy(pipeline_length=length), [FreezeCallback()]
     elif config == "pipe":
         strategy = ElasticPipelineStrategy(pipeline_length=world, elastic=False, cache=False)
     else:
@@ -81,6 +83,10 @@ def worker(args: argparse.Namespace) -> None:
             )
 
     curve = Curve()
+    if config == "full" and args.report:
+        from lightning_pipetx.callbacks.report import EpochReport
+
+        callbacks.append(EpochReport(output_dir=args.report))
     trainer = pl.Trainer(
         accelerator=args.accelerator,
         devices=1 if config == "plain" else world,
@@ -186,6 +192,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
     parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--pipeline-length", default="auto", help="the full system's first pipeline length")
+    parser.add_argument("--report", default=None, help="folder for the full system's per-epoch report")
     parser.add_argument("--out", default="results/finetune.json")
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)

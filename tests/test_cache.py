@@ -1,5 +1,9 @@
 """AutoCache on one device: exact, hits once warm, incremental, guarded, and bounded in RAM."""
 
+import errno
+import os
+from pathlib import Path
+
 import lightning.pytorch as pl
 import pytest
 import tiny_models as tm
@@ -9,7 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
-from lightning_pipetx.strategy.cache import TrainablePrefixError
+from lightning_pipetx.strategy.cache import ActivationCache, TrainablePrefixError
+from lightning_pipetx.strategy.p2p import Activation
 
 
 class HitRates(Callback):
@@ -192,3 +197,46 @@ def test_a_weight_the_frozen_blocks_read_from_outside_keeps_the_cache_off(tmp_pa
     assert all(rate in (None, 0.0) for rate in rates)
     messages = " ".join(r.message for r in caplog.records)
     assert "AutoCache switched off" in messages and "requires a gradient" in messages
+
+
+def _states(depth, size=4):
+    return Activation.of_hidden(torch.full((size, 3, 2), float(depth)), 0)
+
+
+def test_old_depths_files_are_freed_when_the_depth_grows(tmp_path):
+    cache = ActivationCache(tmp_path / "ram", tmp_path / "spill", num_samples=4, ram_budget=2**20)
+    indices = torch.arange(4)
+    for depth in (1, 2, 3):
+        cache.store(indices, depth, _states(depth))
+    cache.drop_below(3)  # depth 2 stays: samples cached there only need block 2 to reach depth 3
+    assert sorted(p.name for p in (tmp_path / "ram").glob("depth*")) == [
+        "depth2",
+        "depth2.valid",
+        "depth3",
+        "depth3.valid",
+    ]
+    level, states, _ = cache.lookup(indices, 3)
+    assert level == 3 and torch.equal(states, torch.full((4, 3, 2), 3.0))
+    cache.close(remove_files=True)
+
+
+def test_a_full_ram_file_system_sends_the_depth_to_disk_instead_of_crashing(tmp_path, monkeypatch, caplog):
+    # A container's 64 MB /dev/shm: reserving the file's blocks fails (ENOSPC) where a write
+    # into a sparse shared mapping would have raised SIGBUS later.
+    ram = tmp_path / "ram"
+    cache = ActivationCache(ram, tmp_path / "spill", num_samples=4, ram_budget=2**30)
+    reserve = os.posix_fallocate
+
+    def full_ram(fd, offset, length):
+        if Path(os.readlink(f"/proc/self/fd/{fd}")).parent == ram:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        reserve(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", full_ram)
+    with caplog.at_level("INFO", logger="lightning_pipetx"):
+        cache.store(torch.arange(4), 1, _states(1))
+    assert "has no room for depth 1" in caplog.text
+    assert cache.ram_bytes == 0 and cache.disk_bytes == 4 * 3 * 2 * 4
+    assert not list(ram.glob("depth1*"))
+    assert cache.lookup(torch.arange(4), 1)[0] == 1
+    cache.close(remove_files=True)

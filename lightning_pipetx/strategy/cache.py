@@ -41,7 +41,18 @@ _SHM = Path("/dev/shm")
 
 
 def _shared(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor backed by ``path``, shared with every process that maps the same file."""
+    """A tensor backed by ``path``, shared with every process that maps the same file.
+
+    The file's blocks are reserved first (``posix_fallocate``): a full file system (a 64 MB
+    ``/dev/shm`` in a container) raises ``OSError`` here instead of a SIGBUS on a later write.
+    """
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if nbytes:
+            os.posix_fallocate(fd, 0, nbytes)
+    finally:
+        os.close(fd)
     return torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype).view(shape)
 
 
@@ -86,6 +97,7 @@ class _Store:
     valid: torch.Tensor  # (num_samples,) uint8
     tuple_len: int
     in_ram: bool
+    paths: tuple[Path, ...]
 
 
 class ActivationCache:
@@ -174,18 +186,45 @@ class ActivationCache:
 
     def _open(self, depth: int, shape: tuple[int, ...], dtype: torch.dtype, tuple_len: int) -> _Store:
         nbytes = self.num_samples * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        in_ram = self.ram_bytes + nbytes <= self.ram_budget
-        folder = self.directory if in_ram else self.spill_directory
-        data = _shared(folder / f"depth{depth}", (self.num_samples, *shape), dtype)
-        valid = _shared(folder / f"depth{depth}.valid", (self.num_samples,), torch.uint8)
-        self._stores[depth] = store = _Store(data, valid, tuple_len, in_ram)
+        # Another rank of the node may have placed this depth in RAM already: share its file.
+        in_ram = (self.directory / f"depth{depth}").exists() or self.ram_bytes + nbytes <= self.ram_budget
+        if in_ram:
+            try:
+                return self._map(self.directory, depth, shape, dtype, tuple_len, in_ram=True)
+            except OSError as error:  # the RAM file system is full (or smaller than the budget)
+                log.info(
+                    "pipetx: AutoCache: %s has no room for depth %d (%.1f MiB: %s); it goes to %s",
+                    self.directory.parent,
+                    depth,
+                    nbytes / 2**20,
+                    error.strerror,
+                    self.spill_directory,
+                )
+                self._unlink(self.directory, depth)
+        return self._map(self.spill_directory, depth, shape, dtype, tuple_len, in_ram=False)
+
+    def _map(
+        self, folder: Path, depth: int, shape: tuple[int, ...], dtype: torch.dtype, tuple_len: int, in_ram: bool
+    ) -> _Store:
+        paths = (folder / f"depth{depth}", folder / f"depth{depth}.valid")
+        data = _shared(paths[0], (self.num_samples, *shape), dtype)
+        valid = _shared(paths[1], (self.num_samples,), torch.uint8)
+        self._stores[depth] = store = _Store(data, valid, tuple_len, in_ram, paths)
         return store
 
+    @staticmethod
+    def _unlink(folder: Path, depth: int) -> None:
+        for name in (f"depth{depth}", f"depth{depth}.valid"):
+            (folder / name).unlink(missing_ok=True)
+
     def drop_below(self, depth: int) -> None:
-        """Free the arrays of depths below ``depth`` except the deepest of them (incremental input)."""
+        """Free the arrays of depths below ``depth`` except the deepest of them (incremental input),
+        and their files: no rank reads a depth again once a deeper one exists below ``depth``."""
         lower = sorted(level for level in self._stores if level < depth)
         for level in lower[:-1]:
-            del self._stores[level]
+            store = self._stores.pop(level)
+            for path in store.paths:  # pages already mapped by another rank stay valid until it drops them
+                path.unlink(missing_ok=True)
 
     # --------------------------------------------------------------- metrics
     def _bytes(self, in_ram: bool) -> int:

