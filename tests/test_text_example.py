@@ -20,9 +20,14 @@ FIT = ["fit", "--trainer.fast_dev_run=true", "--trainer.accelerator=cpu", "--tra
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("text_classification_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    # The example imports its data module from its own folder, as a script run from there does.
+    sys.path.insert(0, str(EXAMPLE.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("text_classification_example", EXAMPLE)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(EXAMPLE.parent))
     return module
 
 
