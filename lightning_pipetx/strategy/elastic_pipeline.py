@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 import uuid
 import zlib
 from collections.abc import Generator
@@ -22,6 +21,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.utils.data import DataLoader
 
 from lightning_pipetx.blocks import BlockSplit, find_blocks
+from lightning_pipetx.strategy.autodp import AutoDP, Transition, reload_dataloaders
 from lightning_pipetx.strategy.autopipe import (
     FROZEN_TIME,
     ModelMemory,
@@ -42,7 +42,7 @@ from lightning_pipetx.strategy.cache import (
     trainable_prefix_weights,
 )
 from lightning_pipetx.strategy.checkpoint import atomic_save, gather_optimizer_state
-from lightning_pipetx.strategy.dataloading import RecordingBatchSampler, global_batch_fits, rebatch, recording
+from lightning_pipetx.strategy.dataloading import RecordingBatchSampler, recording
 from lightning_pipetx.strategy.engine import PipelineEngine
 from lightning_pipetx.strategy.failure import FailureAgreement, explain_training_outputs, log_incomplete_model
 from lightning_pipetx.strategy.lightning_compat import check_lightning_internals
@@ -53,7 +53,7 @@ from lightning_pipetx.strategy.param_store import ParamStore
 from lightning_pipetx.strategy.predictions import gather_loop_predictions
 from lightning_pipetx.strategy.stage_runner import SCHEDULES
 from lightning_pipetx.strategy.topology import Layout
-from lightning_pipetx.strategy.transition import drop_optimizer_state, move_blocks
+from lightning_pipetx.strategy.transition import drop_optimizer_state
 
 log = logging.getLogger("lightning_pipetx")
 
@@ -160,18 +160,18 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._length0 = 1
         self._frozen = 0
         self._store: ParamStore | None = None
-        self._batch0: tuple[int, int] | None = None  # the user's batch size, and the replicas it was for
+        self._autodp = AutoDP(keep_global_batch)
         self.cache_dir = cache_dir
         self.cache_ram_bytes = cache_ram_bytes
         self._cache: ActivationCache | None = None
         self._recorder: RecordingBatchSampler | None = None
         self._run_token = ""
         self._transition_seconds: float | None = None
+        self.last_transition: Transition | None = None  # what the last transition did on this rank
         self._cache_refusal: str | None = None
         self._output_checks: CollectedOutputChecks | None = None
         self._eval_metrics = EvalMetricGroups()
         self._agreement: FailureAgreement | None = None
-        self._moving = False  # blocks are changing hands (a transition)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -223,9 +223,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         microbatches = None if self.num_microbatches == "auto" else self.num_microbatches
         if frozen == 0:
             return make_plan(self._costs, 0, self.world_size, self._length0, microbatches)
-        accept = None
-        if self.keep_global_batch:
-            accept = lambda layout: global_batch_fits(self._batch0, layout.replicas)  # noqa: E731
+        accept = self._autodp.accepts
         # A cached frozen prefix costs nothing; computed, it costs its forward pass.
         frozen_time = 0.0 if self._cache_active() else FROZEN_TIME
         return choose_plan(self._costs, frozen, self.world_size, self._length0, microbatches, accept, frozen_time)
@@ -260,10 +258,10 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._length0 = self._initial_length(self._split)
         self._store = ParamStore(self._split.blocks)
         self._frozen = 0
-        self._batch0 = None
+        self._autodp.reset()
         self._profiled = self.profile_steps == 0
         self._run_token = self.broadcast(uuid.uuid4().hex[:12] if self.is_global_zero else None)
-        self._failed, self._moving = False, False
+        self._failed = False
         self._agreement = FailureAgreement(self.world_size, self.timeout)
         plan = self._plan(0)
         # configure_optimizers may build the training DataLoader (trainer.estimated_stepping_batches,
@@ -275,7 +273,7 @@ class ElasticPipelineStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
         self.engine = self._build_engine(plan)
         # A loader built by configure_optimizers did not pass through process_dataloader (AutoCache).
-        trainer.fit_loop._combined_loader = None
+        reload_dataloaders(trainer)
         self.engine.profile_steps = self.profile_steps
         drop_optimizer_state(self._split.blocks, self.optimizers, self.engine.block_range)
         self._patch_gradient_clipping()
@@ -340,28 +338,28 @@ class ElasticPipelineStrategy(DDPStrategy):
         new_plan = self._plan(frozen_blocks)
         if new_plan.same_layout(engine.plan):
             return
-        started = time.perf_counter()
-        old_plan = engine.plan
-        self._moving = True
-        engine.close(restore_weights=False)
-        move_blocks(
-            self._split.blocks, self.optimizers, self._store, old_plan, new_plan, self.global_rank, self.root_device
+        self.engine, done = self._autodp.transition(
+            trainer,
+            engine,
+            new_plan,
+            self._build_engine,
+            self._split.blocks,
+            self.optimizers,
+            self._store,
+            self.global_rank,
+            self.root_device,
         )
-        self.engine = self._build_engine(new_plan)
-        self.engine.share_outer_buffers()
-        self._moving = False
-        # Rebuild the dataloaders with the new replica count before the next epoch.
-        trainer.fit_loop._combined_loader = None
-        trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
-        self._transition_seconds = time.perf_counter() - started
+        self.last_transition = done
+        self._transition_seconds = done.seconds
         if self.is_global_zero:
             log.info(
-                "pipetx: frozen %d->%d blocks, layout %s -> %s, %.1f s",
+                "pipetx: frozen %d->%d blocks, layout %s -> %s, %.1f s, %.1f MiB received by rank 0",
                 previous,
                 frozen_blocks,
-                old_plan.layout,
-                new_plan.layout,
-                self._transition_seconds,
+                done.old_layout,
+                done.new_layout,
+                done.seconds,
+                done.bytes_received / 2**20,
             )
 
     def process_dataloader(self, dataloader: Any) -> Any:
@@ -370,11 +368,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         if not trainer.training or self.engine is None or not isinstance(dataloader, DataLoader):
             return dataloader
-        replicas = self.engine.layout.replicas
-        if self._batch0 is None:
-            self._batch0 = (dataloader.batch_size, replicas)
-        if self.keep_global_batch:
-            dataloader = rebatch(dataloader, self._batch0, replicas)
+        dataloader = self._autodp.reshard(dataloader, self.engine.layout.replicas)
         if self.cache is False or not _has_len(dataloader.dataset):
             return dataloader
         dataloader, self._recorder = recording(dataloader)
@@ -631,7 +625,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         """Bring the model back whole where every rank stopped alike, else say what this rank lacks."""
         engine.close(restore_weights=False, destroy_groups=False)  # the training groups may be out of step
         plan = f"{engine.plan.layout} {engine.plan.bounds}"
-        state = -1 if self._moving else zlib.crc32(plan.encode())
+        state = -1 if self._autodp.moving else zlib.crc32(plan.encode())
         if state >= 0 and self._agreement is not None and self._agreement.every_rank_failed(state):
             engine.restore_after_failure(self._agreement.group)
             self._agreement.close()

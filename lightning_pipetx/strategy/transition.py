@@ -57,6 +57,7 @@ class BlockMover:
         self.store = store
         self.device = device
         self._owner = {id(p): opt for opt in optimizers for group in opt.param_groups for p in group["params"]}
+        self.bytes_received = 0
 
     def _optimizer(self, param: nn.Parameter) -> Optimizer | None:
         return self._owner.get(id(param))
@@ -73,14 +74,18 @@ class BlockMover:
         for buffer in self.blocks[block].buffers():
             dist.send(buffer.to(self.device).contiguous(), dst=dst)
 
+    def _recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        dist.recv(tensor, src=src)
+        self.bytes_received += tensor.numel() * tensor.element_size()
+        return tensor
+
     def recv(self, block: int, src: int) -> None:
         params = list(self.blocks[block].parameters())
         message: list[Any] = [None]
         dist.recv_object_list(message, src=src, device=self.device)
         for param, meta in zip(params, message[0]):
             self.store.materialize(param)
-            buffer = torch.empty_like(param.data, device=self.device)
-            dist.recv(buffer, src=src)
+            buffer = self._recv(torch.empty_like(param.data, device=self.device), src)
             param.data.copy_(buffer)
             optimizer = self._optimizer(param)
             if meta is None or optimizer is None:
@@ -91,14 +96,11 @@ class BlockMover:
                     state[key] = spec[1]
                     continue
                 _, shape, dtype, on_param_device = spec
-                received = torch.empty(shape, dtype=dtype, device=self.device)
-                dist.recv(received, src=src)
+                received = self._recv(torch.empty(shape, dtype=dtype, device=self.device), src)
                 state[key] = received.to(param.device if on_param_device else torch.device("cpu"))
             optimizer.state[param] = state
         for buffer in self.blocks[block].buffers():
-            received = torch.empty_like(buffer, device=self.device)
-            dist.recv(received, src=src)
-            buffer.copy_(received)
+            buffer.copy_(self._recv(torch.empty_like(buffer, device=self.device), src))
 
 
 def broadcast_shared(
@@ -154,8 +156,10 @@ def move_blocks(
     new: Plan,
     rank: int,
     device: torch.device,
-) -> int:
-    """Give this rank the blocks of its stage in ``new``; release the rest. Returns blocks received."""
+) -> tuple[int, int]:
+    """Give this rank the blocks of its stage in ``new``; release the rest.
+
+    Returns the blocks and the bytes (weights, optimizer state, buffers) this rank received."""
     mover = BlockMover(blocks, optimizers, store, device)
     received = 0
     for block, src, dst in transfers(old, new, len(blocks)):
@@ -168,4 +172,4 @@ def move_blocks(
     keep = range(start, end)
     store.release(keep)
     drop_optimizer_state(blocks, optimizers, keep)
-    return received
+    return received, mover.bytes_received
