@@ -32,7 +32,7 @@ from pathlib import Path
 from _launch import launch
 
 CONFIGS = ("plain", "ddp", "pipe", "full")
-SMALL = {"train": 1600, "val": 600, "max_length": 48, "epochs": 5, "batch": 32}
+SMALL = {"train": 1200, "val": 400, "max_length": 48, "epochs": 4, "batch": 32}
 FULL = {"train": None, "val": None, "max_length": 64, "epochs": 6, "batch": 32}
 
 

@@ -73,7 +73,8 @@ def worker(args: argparse.Namespace) -> None:
     else:
         length = int(config.removeprefix("pipe_k"))
         microbatches = 1 if length == 1 else args.microbatches  # no pipeline, no reason to split
-        strategy = ElasticPipelineStrategy(pipeline_length=length, num_microbatches=microbatches)
+        schedule = getattr(args, "schedule", "gpipe")  # benchmarks/pipelining_peer.py runs both
+        strategy = ElasticPipelineStrategy(pipeline_length=length, num_microbatches=microbatches, schedule=schedule)
         replicas = world // length
 
     class Timer(Callback):
@@ -90,7 +91,7 @@ def worker(args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(0)
     total = args.batch * (args.steps + args.warmup)
     data = TensorDataset(
-        torch.randn(total, 3, args.img_size, args.img_size, generator=g), torch.randint(0, 10, (total,))
+        torch.randn(total, 3, args.img_size, args.img_size, generator=g), torch.randint(0, 10, (total,), generator=g)
     )
     timer = Timer()
     module = build_module(args)
