@@ -110,7 +110,8 @@ def worker(args: argparse.Namespace) -> None:
 
     class Memory(Callback):
         def on_train_end(self, trainer, pl_module):
-            held["params"] = sum(p.numel() * p.element_size() for p in pl_module.parameters())
+            # storage actually held: a released weight is a 1-element storage expanded to its shape
+            held["params"] = sum(p.untyped_storage().nbytes() for p in pl_module.parameters())
 
     trainer.callbacks.append(Memory())
     trainer.fit(module, DataLoader(data, batch_size=args.batch // replicas))
