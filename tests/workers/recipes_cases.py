@@ -6,7 +6,7 @@ import lightning.pytorch as pl
 import torch
 from equivalence_cases import build_case_module
 from lightning.pytorch.plugins import MixedPrecision
-from tiny_models import TASKS
+from tiny_models import TASKS, make_trainer
 from torch.utils.data import DataLoader, DistributedSampler
 
 STEPS = 3
@@ -88,17 +88,7 @@ def scheduled_reference() -> dict[str, torch.Tensor]:
     module = scheduled_module()
     dataset = TASKS["bert"].dataset(size=32, seed=1)
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    trainer.fit(module, train_loader(GLOBAL_BATCH, sampler))
+    make_trainer([], max_epochs=2).fit(module, train_loader(GLOBAL_BATCH, sampler))
     return {"state": module.state_dict(), "estimated_steps": module.estimated_steps}
 
 
