@@ -54,3 +54,51 @@ def run_workers(
     else:
         assert proc.returncode == 0, f"workers failed (exit {proc.returncode}):\n{output[-8000:]}"
     return output
+
+
+def run_nodes(script: str, nodes: int, nprocs: int, *args: str, timeout: float = 600) -> str:
+    """Run ``tests/workers/<script>`` as ``nodes`` simulated nodes of ``nprocs`` gloo processes
+    each: one ``torchrun --nnodes`` launcher per node, all on this machine."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(
+            [str(TESTS_DIR / "workers"), str(TESTS_DIR), str(REPO), os.environ.get("PYTHONPATH", "")]
+        ),
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.pop("PL_GLOBAL_SEED", None)
+    port = free_port()
+    launchers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={nodes}",
+                f"--node_rank={node}",
+                f"--nproc_per_node={nprocs}",
+                "--master_addr=127.0.0.1",
+                f"--master_port={port}",
+                str(TESTS_DIR / "workers" / script),
+                *args,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=REPO,
+        )
+        for node in range(nodes)
+    ]
+    outputs, codes = [], []
+    try:
+        for launcher in launchers:
+            outputs.append(launcher.communicate(timeout=timeout)[0])
+            codes.append(launcher.returncode)
+    finally:
+        for launcher in launchers:
+            launcher.kill()
+    output = "\n".join(outputs)
+    assert codes == [0] * nodes, f"nodes failed (exits {codes}):\n{output[-8000:]}"
+    return output

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
-from lightning_pipetx.strategy.cache import ActivationCache, TrainablePrefixError
+from lightning_pipetx.autocache import AutoCache, TrainablePrefixError
 from lightning_pipetx.strategy.p2p import Activation
 
 
@@ -203,8 +203,18 @@ def _states(depth, size=4):
     return Activation.of_hidden(torch.full((size, 3, 2), float(depth)), 0)
 
 
+def _checked(cache, size=4):
+    """The cache after an input check passed: two epochs saw the same inputs."""
+    indices = torch.arange(size)
+    for _ in range(2):
+        cache.guard.observe(indices, indices.to(torch.float64))
+    cache.begin_epoch(group_size=1)
+    assert cache.guard.trusted
+    return cache
+
+
 def test_old_depths_files_are_freed_when_the_depth_grows(tmp_path):
-    cache = ActivationCache(tmp_path / "ram", tmp_path / "spill", num_samples=4, ram_budget=2**20)
+    cache = _checked(AutoCache(tmp_path / "ram", tmp_path / "spill", num_samples=4, ram_budget=2**20))
     indices = torch.arange(4)
     for depth in (1, 2, 3):
         cache.store(indices, depth, _states(depth))
@@ -224,7 +234,7 @@ def test_a_full_ram_file_system_sends_the_depth_to_disk_instead_of_crashing(tmp_
     # A container's 64 MB /dev/shm: reserving the file's blocks fails (ENOSPC) where a write
     # into a sparse shared mapping would have raised SIGBUS later.
     ram = tmp_path / "ram"
-    cache = ActivationCache(ram, tmp_path / "spill", num_samples=4, ram_budget=2**30)
+    cache = _checked(AutoCache(ram, tmp_path / "spill", num_samples=4, ram_budget=2**30))
     reserve = os.posix_fallocate
 
     def full_ram(fd, offset, length):
@@ -236,7 +246,7 @@ def test_a_full_ram_file_system_sends_the_depth_to_disk_instead_of_crashing(tmp_
     with caplog.at_level("INFO", logger="lightning_pipetx"):
         cache.store(torch.arange(4), 1, _states(1))
     assert "has no room for depth 1" in caplog.text
-    assert cache.ram_bytes == 0 and cache.disk_bytes == 4 * 3 * 2 * 4
+    assert cache.tier_bytes("host") == 0 and cache.tier_bytes("disk") == 4 * 3 * 2 * 4
     assert not list(ram.glob("depth1*"))
     assert cache.lookup(torch.arange(4), 1)[0] == 1
     cache.close(remove_files=True)

@@ -5,7 +5,7 @@ import pytest
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
 from lightning_pipetx import ElasticPipelineStrategy, Layout
-from lightning_pipetx.strategy.cache import cache_directories
+from lightning_pipetx.autocache import cache_directories
 
 # 2 nodes x 2 tasks: this process is task 3, the second task on the second node.
 SLURM = {

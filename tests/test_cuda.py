@@ -29,7 +29,8 @@ def test_freezing_trains_on_one_gpu(strategy, tmp_path):
     frozen_before = {n: p.detach().clone() for n, p in module.model.bert.embeddings.named_parameters()}
     trainer.fit(module, tm.task_loader("bert", size=32, batch_size=8, shuffle=True))
     assert freeze.frozen_blocks == 3
-    assert all(p.device.type == "cuda" and torch.isfinite(p).all() for p in module.parameters())
+    # Lightning's teardown moves the module back to the CPU: check what training left, not where.
+    assert all(torch.isfinite(p).all() for p in module.parameters())
     for name, param in module.model.bert.embeddings.named_parameters():
         assert not param.requires_grad, name  # frozen after epoch 0 ...
         assert not torch.equal(param.detach(), frozen_before[name]), name  # ... trained during it

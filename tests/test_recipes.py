@@ -115,7 +115,7 @@ def test_hidden_states_of_every_layer_switch_the_cache_off_on_one_device(tmp_pat
     assert any("asked for output_hidden_states" in r.message and "switched off" in r.message for r in caplog.records)
     assert trainer.callback_metrics["pipetx/frozen_blocks"] > 0
     assert trainer.callback_metrics.get("pipetx/cache_hit_rate", 0.0) == 0.0
-    with pytest.raises(UnsupportedOutputsError, match="pass cache=False"):
+    with pytest.raises(UnsupportedOutputsError, match="Pass cache=False"):
         _fit_with_cache(hidden_states_module(), True, tmp_path, caplog)
 
 

@@ -7,7 +7,9 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_pipetx.strategy.shard_sampler import StableShardSampler
 
 
 def global_batch_fits(batch0: tuple[int | None, int] | None, replicas: int) -> bool:
@@ -37,9 +39,30 @@ def rebatch(loader: DataLoader, batch0: tuple[int | None, int], replicas: int) -
     size = size0 * replicas0 // replicas
     if loader.batch_size == size:
         return loader
+    return like(loader, batch_size=size)
+
+
+def like(loader: DataLoader, batch_size: int | None = None, sampler: Any = None) -> DataLoader:
+    """A loader like ``loader`` (workers, collation, pinning), with another batch size or sampler."""
     return DataLoader(
-        loader.dataset, batch_size=size, sampler=loader.sampler, drop_last=loader.drop_last, **_loading_kwargs(loader)
+        loader.dataset,
+        batch_size=batch_size or loader.batch_size,
+        sampler=sampler or loader.sampler,
+        drop_last=loader.drop_last,
+        **_loading_kwargs(loader),
     )
+
+
+def stable_shards(loader: DataLoader) -> DataLoader:
+    """``loader`` with Lightning's ``DistributedSampler`` replaced by a :class:`StableShardSampler`
+    of the same replicas, seed, shuffling and ``drop_last``; other samplers are kept."""
+    sampler = loader.sampler
+    if type(sampler) is not DistributedSampler or loader.batch_size is None:
+        return loader
+    stable = StableShardSampler(
+        len(loader.dataset), sampler.num_replicas, sampler.rank, sampler.shuffle, sampler.seed, sampler.drop_last
+    )
+    return like(loader, sampler=stable)
 
 
 def _loading_kwargs(loader: DataLoader) -> dict[str, Any]:
@@ -63,7 +86,8 @@ def _loading_kwargs(loader: DataLoader) -> dict[str, Any]:
 
 
 class RecordingBatchSampler:
-    """Wraps a batch sampler and remembers the dataset indices of every batch it yields.
+    """Wraps a batch sampler and remembers the dataset indices of every batch it yields, and
+    of the one after (sampled one batch early, so that AutoCache can read it ahead).
 
     Batches reach the training step in the order they were sampled, also with worker
     processes and prefetching, so the step pops its batch's indices from :attr:`yielded`.
@@ -73,12 +97,25 @@ class RecordingBatchSampler:
         self.batch_sampler = batch_sampler
         self.sampler = getattr(batch_sampler, "sampler", None)  # Lightning calls set_epoch on it
         self.yielded: deque[list[int]] = deque()
+        self.ahead: list[int] | None = None  # the batch after the last one yielded
 
     def __iter__(self) -> Iterator[list[int]]:
         self.yielded.clear()
-        for indices in self.batch_sampler:
-            self.yielded.append(list(indices))
-            yield indices
+        batches = iter(self.batch_sampler)
+        ahead = next(batches, None)
+        while ahead is not None:
+            current = list(ahead)
+            ahead = next(batches, None)
+            self.ahead = None if ahead is None else list(ahead)
+            self.yielded.append(current)
+            yield current
+
+    def pop(self) -> tuple[list[int] | None, list[int] | None]:
+        """The indices of the batch now trained, and of the one after it (None: unknown or none)."""
+        if not self.yielded:
+            return None, None
+        current = self.yielded.popleft()
+        return current, self.yielded[0] if self.yielded else self.ahead
 
     def __len__(self) -> int:
         return len(self.batch_sampler)

@@ -20,6 +20,7 @@ from torch.distributed import ReduceOp
 from torch.distributed.constants import default_pg_timeout
 from torch.utils.data import DataLoader
 
+from lightning_pipetx.autocache import CacheControl
 from lightning_pipetx.blocks import BlockSplit, find_blocks
 from lightning_pipetx.strategy.autodp import AutoDP, Transition, reload_dataloaders
 from lightning_pipetx.strategy.autopipe import (
@@ -33,16 +34,8 @@ from lightning_pipetx.strategy.autopipe import (
     explain_choice,
     make_plan,
 )
-from lightning_pipetx.strategy.cache import (
-    ActivationCache,
-    TrainablePrefixError,
-    cache_directories,
-    gather_cache_stats,
-    trainable_prefix_reason,
-    trainable_prefix_weights,
-)
 from lightning_pipetx.strategy.checkpoint import atomic_save, gather_optimizer_state
-from lightning_pipetx.strategy.dataloading import RecordingBatchSampler, recording
+from lightning_pipetx.strategy.dataloading import RecordingBatchSampler, recording, stable_shards
 from lightning_pipetx.strategy.engine import PipelineEngine
 from lightning_pipetx.strategy.failure import FailureAgreement, explain_training_outputs, log_incomplete_model
 from lightning_pipetx.strategy.lightning_compat import check_lightning_internals
@@ -56,6 +49,8 @@ from lightning_pipetx.strategy.topology import Layout
 from lightning_pipetx.strategy.transition import drop_optimizer_state
 
 log = logging.getLogger("lightning_pipetx")
+
+SAMPLERS = ("auto", "distributed", "stable")
 
 
 def _has_len(dataset: Any) -> bool:
@@ -98,7 +93,15 @@ class ElasticPipelineStrategy(DDPStrategy):
             becomes the cost model at the first freeze; 0 keeps parameter counts.
         cache_dir: AutoCache's disk folder, beyond ``cache_ram_bytes`` of RAM (``$TMPDIR``
             by default).
-        cache_ram_bytes: host RAM (``/dev/shm``) AutoCache may use per node.
+        cache_ram_bytes: host RAM (``/dev/shm``) AutoCache may use per node; never more than
+            the mount has free.
+        cache_device_bytes: memory of the training device AutoCache may use per process before
+            host RAM. ``"auto"``: a third of the GPU's free memory; 0 on CPU (host RAM is then
+            the fastest tier, shared by the node's processes).
+        sampler: how the training loader deals samples to replicas. ``"distributed"``: Lightning's
+            ``DistributedSampler`` (new shards every epoch); ``"stable"``: each replica keeps its
+            shard and shuffles within it (:class:`StableShardSampler`), so that a node-local cache
+            keeps hitting; ``"auto"``: ``"stable"`` when the run spans several nodes and caches.
         memory_budget: bytes of memory per device for ``pipeline_length="auto"``; by default the
             GPU's memory, or on CPU the host's memory divided among this node's processes.
         bucket_cap_mb: size of a gradient bucket (all-reduced as one), as for DDP.
@@ -123,6 +126,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         profile_steps: int = 3,
         cache_dir: str | None = None,
         cache_ram_bytes: int = 8 * 2**30,
+        cache_device_bytes: int | str = "auto",
+        sampler: str = "auto",
         memory_budget: int | None = None,
         bucket_cap_mb: float = 25.0,
         **kwargs: Any,
@@ -133,8 +138,9 @@ class ElasticPipelineStrategy(DDPStrategy):
             raise ValueError(f"ElasticPipelineStrategy(schedule={schedule!r}): choose one of {SCHEDULES}.")
         if not isinstance(profile_steps, int) or isinstance(profile_steps, bool) or profile_steps < 0:
             raise ValueError(f"ElasticPipelineStrategy(profile_steps={profile_steps!r}): use a whole number >= 0.")
-        if cache not in ("auto", True, False):
-            raise ValueError(f"ElasticPipelineStrategy(cache={cache!r}): use 'auto', True or False.")
+        self._autocache = CacheControl(cache, cache_dir, cache_ram_bytes, cache_device_bytes)
+        if sampler not in SAMPLERS:
+            raise ValueError(f"ElasticPipelineStrategy(sampler={sampler!r}): choose one of {SAMPLERS}.")
         if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):
             raise ValueError(f"ElasticPipelineStrategy(memory_budget={memory_budget!r}): use a number of bytes > 0.")
         if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
@@ -148,6 +154,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self.elastic = elastic
         self.keep_global_batch = keep_global_batch
         self.cache = cache
+        self.sampler = sampler
         self.profile_steps = profile_steps
         self.memory_budget = memory_budget
         self.bucket_cap_mb = bucket_cap_mb
@@ -163,12 +170,10 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._autodp = AutoDP(keep_global_batch)
         self.cache_dir = cache_dir
         self.cache_ram_bytes = cache_ram_bytes
-        self._cache: ActivationCache | None = None
         self._recorder: RecordingBatchSampler | None = None
         self._run_token = ""
         self._transition_seconds: float | None = None
         self.last_transition: Transition | None = None  # what the last transition did on this rank
-        self._cache_refusal: str | None = None
         self._output_checks: CollectedOutputChecks | None = None
         self._eval_metrics = EvalMetricGroups()
         self._agreement: FailureAgreement | None = None
@@ -225,15 +230,8 @@ class ElasticPipelineStrategy(DDPStrategy):
             return make_plan(self._costs, 0, self.world_size, self._length0, microbatches)
         accept = self._autodp.accepts
         # A cached frozen prefix costs nothing; computed, it costs its forward pass.
-        frozen_time = 0.0 if self._cache_active() else FROZEN_TIME
+        frozen_time = 0.0 if self._autocache.active(self.root_device, self.world_size) else FROZEN_TIME
         return choose_plan(self._costs, frozen, self.world_size, self._length0, microbatches, accept, frozen_time)
-
-    def _cache_active(self) -> bool:
-        """Whether AutoCache is on, agreed by every rank (a collective)."""
-        active = torch.tensor(int(self._cache is not None and self._cache.enabled), device=self.root_device)
-        if self.world_size > 1:
-            dist.all_reduce(active, op=ReduceOp.MIN)
-        return bool(active)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -303,7 +301,7 @@ class ElasticPipelineStrategy(DDPStrategy):
             int(self.bucket_cap_mb * 2**20),
             lambda: self.optimizers,
         )
-        engine.cache, engine.frozen, engine.force_cache = self._cache, self._frozen, self.cache is True
+        engine.cache, engine.frozen = self._autocache.cache, self._frozen
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:
             engine.runner.scale_loss = scaler.scale
@@ -321,9 +319,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         engine = self._require_engine()
         engine.share_updated_params(self.optimizers)
         engine.frozen = frozen_blocks
-        self._refuse_trainable_prefix(frozen_blocks)
-        if self._cache is not None:
-            self._cache.drop_below(frozen_blocks)
+        self._autocache.on_freeze(self.lightning_module, self._split, frozen_blocks)
         if not self.elastic:
             self._frozen = frozen_blocks
             return  # the ablation: blocks freeze in place, the layout stays
@@ -369,25 +365,39 @@ class ElasticPipelineStrategy(DDPStrategy):
         if not trainer.training or self.engine is None or not isinstance(dataloader, DataLoader):
             return dataloader
         dataloader = self._autodp.reshard(dataloader, self.engine.layout.replicas)
+        if self._stable_shards():
+            dataloader = stable_shards(dataloader)
         if self.cache is False or not _has_len(dataloader.dataset):
             return dataloader
         dataloader, self._recorder = recording(dataloader)
-        if self._cache is None:
-            ram, spill = cache_directories(self._run_token, self.node_rank, self.cache_dir)
-            self._cache = ActivationCache(ram, spill, len(dataloader.dataset), self.cache_ram_bytes)
-            if self._cache_refusal is not None:
-                self._cache.disable(self._cache_refusal + ".")
-            self.engine.cache = self._cache
+        if self._autocache.cache is None:
+            layout = self.engine.layout
+            first_stage_ranks = sum(layout.coords(r)[1] == 0 for r in self._node_ranks())
+            cache = self._autocache.open(
+                self._run_token, self.node_rank, len(dataloader.dataset), self.root_device, first_stage_ranks > 1
+            )
+            self.engine.cache = cache
         return dataloader
 
+    def _stable_shards(self) -> bool:
+        if self.sampler == "auto":
+            return self.num_nodes > 1 and self.cache is not False
+        return self.sampler == "stable"
+
+    def _node_ranks(self) -> range:
+        """Global ranks of this node (Lightning numbers them node by node)."""
+        start = self.node_rank * self.num_processes
+        return range(start, start + self.num_processes)
+
     def epoch_cache_stats(self) -> dict[str, float]:
-        """AutoCache's hit rate and sizes since the last call, agreed by every rank (collective)."""
-        return gather_cache_stats(self._cache, self.root_device, self.world_size)
+        """AutoCache's hit rate, tiers served and sizes since the last call, agreed by every rank (collective)."""
+        return self._autocache.epoch_stats(self.root_device, self.world_size)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if batch_idx <= 1:  # the first step of the run, and then every epoch's
             self._require_engine().check_batches()
         if batch_idx == 0:
+            self._autocache.begin_epoch(self.world_size)
             layout = self._require_engine().layout
             values = {"pipeline_length": layout.pipeline_length, "replicas": layout.replicas}
             if self._transition_seconds is not None:
@@ -429,28 +439,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         if not self.lightning_module.trainer.training or self.cache is False:
             return
         reason = f"{model} was asked for {what}, which needs every block to run, and a cache hit skips the frozen ones"
-        if self.cache is True:
-            raise UnsupportedOutputsError(f"{reason}: pass cache=False (or cache='auto') to ElasticPipelineStrategy.")
-        self._cache_refusal = reason
-        if self._cache is not None and self._cache.enabled:
-            self._cache.disable(reason + ".")
-
-    def _refuse_trainable_prefix(self, frozen_blocks: int) -> None:
-        """AutoCache cannot serve a frozen prefix that still has a trainable weight."""
-        if self.cache is False or self._split is None:
-            return
-        names = trainable_prefix_weights(self.lightning_module, self._split, frozen_blocks)
-        if not names:
-            return
-        reason = trainable_prefix_reason(names)
-        if self.cache is True:
-            raise TrainablePrefixError(
-                f"ElasticPipelineStrategy(cache=True): {reason}. Pass cache=False (or cache='auto', which turns "
-                f"the cache off for such a model), or freeze or untie those weights."
-            )
-        self._cache_refusal = reason
-        if self._cache is not None and self._cache.enabled:
-            self._cache.disable(reason + ".")
+        self._autocache.refuse(reason, UnsupportedOutputsError, "Pass cache=False (or cache='auto').")
 
     def _require_engine(self) -> PipelineEngine:
         if self.engine is None:
@@ -461,12 +450,18 @@ class ElasticPipelineStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.lightning_module.trainer
         loss_scale = 1.0 / max(1, trainer.accumulate_grad_batches)
-        indices = None
-        if self._recorder is not None and self._recorder.yielded:
-            indices = torch.tensor(self._recorder.yielded.popleft(), dtype=torch.long)
+        current, after = self._recorder.pop() if self._recorder is not None else (None, None)
+        indices, upcoming = (None if i is None else torch.tensor(i, dtype=torch.long) for i in (current, after))
         with self.precision_plugin.train_step_context():
             return self._require_engine().train_step(
-                self.lightning_module.training_step, args[0], args[1:], kwargs, loss_scale, indices, self._sync_grads
+                self.lightning_module.training_step,
+                args[0],
+                args[1:],
+                kwargs,
+                loss_scale,
+                indices,
+                self._sync_grads,
+                upcoming,
             )
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -598,11 +593,11 @@ class ElasticPipelineStrategy(DDPStrategy):
         if self._output_checks is not None:
             self._output_checks.remove()
             self._output_checks = None
-        if self._cache is not None:
+        if self._autocache.cache is not None:
             if not self._failed:
                 self.barrier("pipetx-cache")  # every rank is done with the files
-            self._cache.close(remove_files=self.local_rank == 0)
-            self._cache, self._recorder = None, None
+            self._autocache.close(remove_files=self.local_rank == 0)
+            self._recorder = None
         if self.engine is not None:
             if self._failed:
                 self._restore_after_failure(self.engine)

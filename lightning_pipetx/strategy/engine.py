@@ -7,7 +7,6 @@ gradient synchronisation and the released block weights.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -17,14 +16,14 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from lightning_pipetx.autocache import AutoCache, CachedPrefix
 from lightning_pipetx.blocks import BlockSplit
 from lightning_pipetx.strategy.autopipe import Plan
-from lightning_pipetx.strategy.cache import ActivationCache, sample_fingerprints
 from lightning_pipetx.strategy.grad_sync import DEFAULT_BUCKET_BYTES, GradientSync
 from lightning_pipetx.strategy.log_replay import LogRecorder, LogShare, replay
 from lightning_pipetx.strategy.microbatch import batch_size, join_outputs, split_batch
 from lightning_pipetx.strategy.output_relay import OutputRelay
-from lightning_pipetx.strategy.p2p import Activation, Channel
+from lightning_pipetx.strategy.p2p import Channel
 from lightning_pipetx.strategy.param_store import ParamStore, broadcast_, broadcast_all, gather_block_state
 from lightning_pipetx.strategy.stage_hooks import StageExit, StageHooks
 from lightning_pipetx.strategy.stage_runner import StageRunner, extract_loss, no_microbatch_context
@@ -86,8 +85,7 @@ class PipelineEngine:
         self.log_share = LogShare(self.topology, device)
         self.profile_steps = 0  # training steps still to time, after one warm-up step
         self._steps = 0
-        self.cache: ActivationCache | None = None  # AutoCache, on the first stage only
-        self.force_cache = False
+        self._prefix: CachedPrefix | None = None  # AutoCache, on the first stage only
         self._frozen = 0
 
     @property
@@ -115,39 +113,18 @@ class PipelineEngine:
 
         return run
 
+    @property
+    def cache(self) -> AutoCache | None:
+        return self._prefix.cache if self._prefix is not None else None
+
+    @cache.setter
+    def cache(self, cache: AutoCache | None) -> None:
+        use = cache is not None and self.topology.is_first_stage
+        self._prefix = CachedPrefix(cache, self.hooks, self.device) if use else None
+
     def _cache_depth(self) -> int:
         """Frozen blocks whose output can be cached: those on this (first) stage."""
-        if self.cache is None or not self.topology.is_first_stage:
-            return 0
-        return min(self.frozen, self.block_range.stop)
-
-    def _use_cache(self, batch: Any, indices: torch.Tensor | None, sizes: list[int]) -> None:
-        """Set up AutoCache for this step's micro-batches (or leave it off)."""
-        if self.cache is None or indices is None or not self.topology.is_first_stage:
-            return
-        self.cache.check_inputs(indices, sample_fingerprints(batch, len(indices)), force=self.force_cache)
-        depth = self._cache_depth()
-        if depth == 0 or not self.cache.enabled:
-            return
-        parts = torch.split(indices, sizes)
-        self.runner.microbatch_context = lambda position: self._cached_prefix(parts[position], depth)
-
-    @contextlib.contextmanager
-    def _cached_prefix(self, indices: torch.Tensor, depth: int):
-        hooks, cache = self.hooks, self.cache
-        level, states, tuple_len = cache.lookup(indices, depth)
-        if states is not None:
-            hooks.incoming = Activation.of_hidden(states.to(self.device), tuple_len)
-            hooks.skip_until = level
-        if level < depth:
-            hooks.capture_at = depth - 1
-        try:
-            yield
-        finally:
-            captured = hooks.captured
-            hooks.skip_until, hooks.capture_at, hooks.captured = 0, -1, None
-            if captured is not None:
-                cache.store(indices, depth, captured)
+        return min(self.frozen, self.block_range.stop) if self._prefix is not None else 0
 
     def train_step(
         self,
@@ -158,13 +135,19 @@ class PipelineEngine:
         loss_scale: float,
         indices: torch.Tensor | None = None,
         sync: bool = True,
+        upcoming: torch.Tensor | None = None,
     ) -> Any:
         """All forwards and backwards of one batch; the gradients wait in :meth:`install_grads`.
 
         ``sync``: this batch ends an accumulation window, so its gradients are reduced over the
-        replicas (overlapped with the backward of the last micro-batch)."""
+        replicas (overlapped with the backward of the last micro-batch). ``indices``: the
+        dataset indices of the batch, ``upcoming``: of the next one (AutoCache)."""
         microbatches, sizes = self._microbatches(batch)
-        self._use_cache(batch, indices, sizes)
+        prefix = self._prefix if indices is not None else None
+        if prefix is not None:
+            context = prefix.begin_step(batch, indices, sizes, self._cache_depth())
+            if context is not None:
+                self.runner.microbatch_context = context
         total = sum(sizes)
         weights = [loss_scale * n / total for n in sizes]
         self.grad_sync.begin_step(sync)
@@ -182,6 +165,8 @@ class PipelineEngine:
             self.hooks.timer.active = False
             self.runner.microbatch_context = no_microbatch_context
             self.grad_sync.end_step()
+        if prefix is not None:
+            prefix.end_step(upcoming, self._cache_depth())
 
         logs = loss = None
         if self.topology.is_last_stage:

@@ -79,6 +79,8 @@ class StageHooks:
         self.skip_until = 0
         self.capture_at = -1
         self.captured: Activation | None = None
+        self.on_first_block: Callable[[], None] | None = None  # AutoCache times the prefix it computes
+        self.on_capture: Callable[[], None] | None = None
         self._saved: dict[int, Any] = {}
 
     def install(self) -> None:
@@ -112,9 +114,13 @@ class StageHooks:
             )
         if index == start and start > 0:
             args, kwargs = _replace_first_input(args, kwargs, first_arg, self._incoming().tensor)
+        if index == start and self.on_first_block is not None:
+            self.on_first_block()
         output = self.timer.run(index, original, *args, **kwargs)
         if index == self.capture_at:
             self.captured = Activation.of_output(output)
+            if self.on_capture is not None:
+                self.on_capture()
         if index == self.end - 1 and not self.is_last_stage:
             raise StageExit(Activation.of_output(output))
         return output

@@ -1,0 +1,13 @@
+"""AutoCache: the frozen prefix's output per training sample, served instead of recomputed.
+
+:class:`AutoCache` owns keys, tiers (:mod:`.tiers`), guards (:mod:`.guards`) and
+measurements (:mod:`.stopwatch`); the engine calls it through :class:`CachedPrefix`, the
+strategy through :class:`CacheControl`.
+"""
+
+from lightning_pipetx.autocache.cache import AutoCache
+from lightning_pipetx.autocache.control import CacheControl, cache_directories
+from lightning_pipetx.autocache.guards import TrainablePrefixError
+from lightning_pipetx.autocache.prefix import CachedPrefix
+
+__all__ = ["AutoCache", "CacheControl", "CachedPrefix", "TrainablePrefixError", "cache_directories"]

@@ -1,0 +1,360 @@
+"""AutoCache: the frozen prefix's output per training sample, in the fastest memory that holds it.
+
+The output of blocks ``[0, F)`` for a sample depends only on the sample once those blocks
+are frozen (eval mode, no gradient), so it is computed once and read back afterwards.
+Entries are keyed by (sample index, depth ``F``). Each depth keeps its states in tiers
+(:mod:`.tiers`): the training device up to a budget, then a file every process of the node
+maps, in ``/dev/shm`` up to what the budget and the mount allow, else on disk. States are
+stored in the dtype the block returned, so a hit is exact. When the depth grows from ``F1``
+to ``F2``, a sample cached at ``F1`` runs blocks ``[F1, F2)`` only, and older depths' files go.
+
+On a GPU, host reads are gathered into pinned memory and copied on a side stream one step
+ahead (:meth:`AutoCache.prefetch`), and writes to host tiers go back asynchronously. Reading
+and computing are timed (CUDA events, read once per epoch): a tier whose read costs more than
+computing the prefix is dropped with one log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lightning_pipetx.autocache.guards import CHANGED_INPUT, InputGuard
+from lightning_pipetx.autocache.stopwatch import Stopwatch
+from lightning_pipetx.autocache.tiers import TIER_NAMES, DeviceTier, FileTier, Tier, free_bytes, nbytes_of
+from lightning_pipetx.strategy.p2p import Activation
+
+log = logging.getLogger("lightning_pipetx")
+
+DEVICE_SHARE = 1 / 3  # of the GPU's free memory, for cache_device_bytes="auto"
+
+
+@dataclass
+class _Depth:
+    tiers: list[Tier]
+    tuple_len: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class _Prefetched:
+    level: int
+    position: torch.Tensor  # host, per sample: its row in ``states``, or -1
+    states: torch.Tensor
+    source: torch.Tensor  # host, per row: the tier it came from (index into TIER_NAMES)
+    ready: torch.cuda.Event | None
+
+
+@dataclass
+class EpochCounts:
+    """What the cache did since the last :meth:`AutoCache.take_counts`."""
+
+    hits: int = 0
+    lookups: int = 0
+    served: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # samples per tier
+    served_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    prefetched: int = 0  # samples whose states were read a step ahead
+
+
+class AutoCache:
+    """Per-sample hidden states at each frozen depth, for one run on one node."""
+
+    def __init__(
+        self,
+        directory: Path,
+        spill_directory: Path,
+        num_samples: int,
+        ram_budget: int,
+        device: torch.device | None = None,
+        device_budget: int | str = "auto",
+        share_host: bool = True,
+    ) -> None:
+        self.directory, self.spill_directory = directory, spill_directory
+        self.num_samples = num_samples
+        self.ram_budget = ram_budget
+        self.device = device = device or torch.device("cpu")
+        self.device_budget = device_budget
+        self.share_host = share_host  # other first-stage ranks of the node read the host tier too
+        for path in {directory, spill_directory}:
+            path.mkdir(parents=True, exist_ok=True)
+        self.guard = InputGuard(num_samples, device)
+        self.force = False  # cache=True: a changed input only warns
+        self.enabled = True
+        self.dropped: set[str] = set()  # tiers measured slower than computing the prefix
+        self.counts = EpochCounts()
+        self.watch = Stopwatch(device)
+        self._depths: dict[int, _Depth] = {}
+        self._writes: list[tuple[Tier, torch.Tensor, torch.Tensor, torch.cuda.Event]] = []
+        self._prefetched: _Prefetched | None = None
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._warned = False
+
+    # ------------------------------------------------------------------ guards
+    @property
+    def paying(self) -> bool:
+        """Enabled, with a tier still worth reading (reading it was not measured slower than computing)."""
+        has_device = (
+            self.device_budget == "auto" and self.device.type == "cuda" or self.device_budget not in (0, "auto")
+        )
+        return self.enabled and ((has_device and "device" not in self.dropped) or "host" not in self.dropped)
+
+    @property
+    def serving(self) -> bool:
+        """Hits may be served: paying, and the inputs passed a check."""
+        return self.paying and self.guard.trusted
+
+    def disable(self, reason: str) -> None:
+        self.enabled = False
+        self._prefetched = None
+        if not self._warned:
+            self._warned = True
+            log.warning("pipetx: AutoCache switched off for this run: %s", reason)
+
+    def begin_epoch(self, group_size: int) -> None:
+        """Agree over every rank on what the last epoch showed (collective): a changed input
+        switches the cache off; a tier slower than computing the prefix is dropped."""
+        self.flush_writes()
+        slow = self.watch.slower_than_compute(max(self._depths, default=0))
+        flags = torch.cat(
+            [
+                self.guard.take_counts().cpu(),
+                torch.tensor([float(not self.enabled)] + [float(name in slow) for name in TIER_NAMES]),
+            ]
+        ).to(self.device, torch.float64)
+        if group_size > 1:
+            dist.all_reduce(flags)
+        compared, changed, disabled, *slow_flags = flags.tolist()
+        if self.guard.judge(compared, changed):
+            if not self.force:
+                self.disable(CHANGED_INPUT)
+            elif not self._warned:
+                self._warned = True
+                log.warning("pipetx: a sample's input changed between epochs; cache=True keeps caching it.")
+        if disabled and self.enabled:
+            self.disable("another rank switched it off")
+        for name, flag in zip(TIER_NAMES, slow_flags):
+            if flag and name not in self.dropped:
+                # Disk is never faster than host RAM: dropping RAM drops disk too.
+                self.dropped.update(TIER_NAMES[TIER_NAMES.index(name) :] if name == "host" else (name,))
+                self._prefetched = None
+                log.info("pipetx: AutoCache stops using its %s tier: %s", name, self.watch.explain(name))
+
+    # ------------------------------------------------------------- entries
+    def _level(self, indices: torch.Tensor, depth: int) -> tuple[int, list[Tier], list[torch.Tensor]]:
+        """The deepest depth ``<= depth`` at which some tier holds every sample."""
+        for level in sorted(self._depths, reverse=True):
+            if level > depth:
+                continue
+            tiers = [t for t in self._depths[level].tiers if t.name not in self.dropped]
+            masks = [t.holds(indices) for t in tiers]
+            if masks and torch.stack(masks).any(0).all():
+                return level, tiers, masks
+        return 0, [], []
+
+    def _gather(
+        self, level: int, indices: torch.Tensor, tiers: list[Tier], masks: list[torch.Tensor], stream=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The states of ``indices`` at ``level``, each from the first tier that holds it, and
+        which tier that was (a host tensor of indices into ``TIER_NAMES``)."""
+        entry = self._depths[level]
+        source = torch.full((len(indices),), -1, dtype=torch.int8)
+        out = None
+        for tier, mask in zip(tiers, masks):
+            take = mask & (source < 0)
+            count = int(take.sum())
+            if count == 0:
+                continue
+            source[take] = TIER_NAMES.index(tier.name)
+            if count == len(indices):
+                with self.watch.reading(tier.name, count, stream):
+                    return tier.read(indices, self.device), source
+            rows = tier.read(indices[take], self.device)
+            if out is None:
+                out = torch.empty((len(indices), *entry.shape), dtype=entry.dtype, device=self.device)
+            out.index_copy_(0, take.nonzero().flatten().to(self.device, non_blocking=True), rows)
+        return out, source
+
+    def lookup(self, indices: torch.Tensor, depth: int) -> tuple[int, torch.Tensor | None, int]:
+        """The deepest depth ``<= depth`` at which every sample is cached: (depth, states, tuple_len)."""
+        self.counts.lookups += len(indices)
+        if not self.serving:
+            return 0, None, 0
+        states, level, source = self._take_prefetched(indices, depth)
+        if states is None:
+            level, tiers, masks = self._level(indices, depth)
+            if level == 0:
+                return 0, None, 0
+            states, source = self._gather(level, indices, tiers, masks)
+        else:
+            self.counts.prefetched += len(indices)
+        if level == depth:
+            self.counts.hits += len(indices)
+        row_bytes = nbytes_of(1, tuple(states.shape[1:]), states.dtype)
+        for code, count in enumerate(torch.bincount(source.long(), minlength=len(TIER_NAMES)).tolist()):
+            self.counts.served[TIER_NAMES[code]] += count
+            self.counts.served_bytes[TIER_NAMES[code]] += count * row_bytes
+        return level, states, self._depths[level].tuple_len
+
+    def prefetch(self, indices: torch.Tensor, depth: int) -> None:
+        """Start reading the next batch's states (a side stream on a GPU) unless the device holds them."""
+        self._prefetched = None
+        if not self.serving:
+            return
+        level, tiers, masks = self._level(indices, depth)
+        if level == 0 or (tiers[0].name == "device" and bool(masks[0].all())):
+            return
+        ready = None
+        if self._side is not None:
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._side):
+                states, source = self._gather(level, indices, tiers, masks, self._side)
+                ready = torch.cuda.Event()
+                ready.record(self._side)
+        else:
+            states, source = self._gather(level, indices, tiers, masks)
+        position = torch.full((self.num_samples,), -1, dtype=torch.long)
+        position[indices] = torch.arange(len(indices))
+        self._prefetched = _Prefetched(level, position, states, source, ready)
+
+    def _take_prefetched(self, indices: torch.Tensor, depth: int):
+        found = self._prefetched
+        if found is None or found.level > depth or found.level not in self._depths:
+            return None, 0, None
+        position = found.position[indices]
+        if not bool((position >= 0).all()):
+            return None, 0, None
+        if found.ready is not None:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(found.ready)
+            found.states.record_stream(stream)
+        states = found.states.index_select(0, position.to(self.device, non_blocking=True))
+        return states, found.level, found.source[position]
+
+    def store(self, indices: torch.Tensor, depth: int, output: Activation) -> None:
+        if output.extra_tensors:
+            self.disable(
+                "the frozen blocks pass more than their hidden state on to the next block (T5's position bias): "
+                "only the hidden state can be cached."
+            )
+            return
+        hidden, tuple_len = output.tensor, output.tuple_len
+        if hidden.requires_grad:
+            self.disable(
+                "the frozen blocks' output requires a gradient: a weight they use from outside the frozen prefix "
+                "(registered after the blocks) still trains, so a cached state would go stale and its gradient "
+                "would be lost. Freeze that weight too, or pass cache=False"
+            )
+            return
+        shape = tuple(hidden.shape[1:])
+        entry = self._depths.get(depth) or self._open(depth, shape, hidden.dtype, tuple_len)
+        if entry.shape != shape:
+            self.disable(
+                f"hidden states of shape {shape} and {entry.shape} at one depth: dynamic padding. Pad every batch "
+                f"to one length to use the cache, or pass cache=False."
+            )
+            return
+        missing = torch.ones(len(indices), dtype=torch.bool)
+        for tier in entry.tiers:
+            if tier.name in self.dropped:
+                continue
+            if isinstance(tier, DeviceTier):
+                tier.write(indices, hidden)
+                missing = ~tier.holds(indices)
+                continue
+            keep = missing | self.share_host
+            if bool(keep.any()):
+                rows = hidden if bool(keep.all()) else hidden[keep.to(hidden.device)]
+                self._write_back(tier, indices[keep], rows.detach())
+            break
+
+    def _write_back(self, tier: Tier, indices: torch.Tensor, rows: torch.Tensor) -> None:
+        if self._side is None:
+            tier.write(indices, rows)
+            return
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side):
+            pinned = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            pinned.copy_(rows, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._side)
+        rows.record_stream(self._side)
+        self._writes.append((tier, indices, pinned, done))
+
+    def flush_writes(self) -> None:
+        """Finish the asynchronous writes to host tiers (their copies ended a step ago)."""
+        for tier, indices, pinned, done in self._writes:
+            done.synchronize()
+            tier.write(indices, pinned)
+        self._writes.clear()
+
+    def _open(self, depth: int, shape: tuple[int, ...], dtype: torch.dtype, tuple_len: int) -> _Depth:
+        tiers: list[Tier] = []
+        rows = self._device_rows(shape, dtype)
+        if rows > 0:
+            tiers.append(DeviceTier(self.num_samples, rows, shape, dtype, self.device))
+        if (rows < self.num_samples or self.share_host) and "disk" not in self.dropped:
+            tiers.append(self._file_tier(depth, shape, dtype))
+        self._depths[depth] = entry = _Depth(tiers, tuple_len, shape, dtype)
+        return entry
+
+    def _device_rows(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        if "device" in self.dropped:
+            return 0
+        budget = self.device_budget
+        if budget == "auto":
+            budget = int(torch.cuda.mem_get_info(self.device)[0] * DEVICE_SHARE) if self.device.type == "cuda" else 0
+        budget -= self.tier_bytes("device")
+        return max(0, min(self.num_samples, budget // max(1, nbytes_of(1, shape, dtype))))
+
+    def _file_tier(self, depth: int, shape: tuple[int, ...], dtype: torch.dtype) -> FileTier:
+        nbytes = nbytes_of(self.num_samples, shape, dtype)
+        # Another rank of the node may have placed this depth in RAM already: share its file.
+        room = min(self.ram_budget, self.tier_bytes("host") + free_bytes(self.directory))
+        fits = (self.directory / f"depth{depth}").exists() or self.tier_bytes("host") + nbytes <= room
+        if fits and "host" not in self.dropped:
+            try:
+                return FileTier("host", self.directory, depth, self.num_samples, shape, dtype)
+            except OSError as error:  # the RAM file system is full (or smaller than it said)
+                log.info(
+                    "pipetx: AutoCache: %s has no room for depth %d (%.1f MiB: %s); it goes to %s",
+                    self.directory.parent,
+                    depth,
+                    nbytes / 2**20,
+                    error.strerror,
+                    self.spill_directory,
+                )
+        return FileTier("disk", self.spill_directory, depth, self.num_samples, shape, dtype)
+
+    def drop_below(self, depth: int) -> None:
+        """Free the depths below ``depth`` except the deepest of them (incremental input),
+        memory and files: no rank reads a depth again once a deeper one exists below ``depth``."""
+        self.flush_writes()
+        self._prefetched = None
+        lower = sorted(level for level in self._depths if level < depth)
+        for level in lower[:-1]:
+            for tier in self._depths.pop(level).tiers:
+                tier.close()
+
+    # --------------------------------------------------------------- metrics
+    def tier_bytes(self, name: str) -> int:
+        return sum(t.nbytes for entry in self._depths.values() for t in entry.tiers if t.name == name)
+
+    def take_counts(self) -> EpochCounts:
+        """The counts since the last call."""
+        counts, self.counts = self.counts, EpochCounts()
+        return counts
+
+    def close(self, remove_files: bool) -> None:
+        self.flush_writes()
+        self._prefetched = None
+        self._depths.clear()
+        if remove_files:
+            for path in {self.directory, self.spill_directory}:
+                shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,120 @@
+"""The strategy's side of AutoCache: when to open it, when to refuse it, and what it reports."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lightning_pipetx.autocache.cache import AutoCache
+from lightning_pipetx.autocache.guards import TrainablePrefixError, trainable_prefix_reason, trainable_prefix_weights
+from lightning_pipetx.autocache.tiers import TIER_NAMES
+from lightning_pipetx.blocks import BlockSplit
+
+_SHM = Path("/dev/shm")
+
+
+def cache_directories(run_token: str, node_rank: int, spill_root: str | None) -> tuple[Path, Path]:
+    """RAM folder (``/dev/shm`` when there is one) and disk folder for one run on one node."""
+    name = f"pipetx-{run_token}-node{node_rank}"
+    spill = Path(spill_root or os.environ.get("TMPDIR", "/tmp")) / name
+    ram = _SHM / name if _SHM.is_dir() and os.access(_SHM, os.W_OK) else spill / "ram"
+    return ram, spill
+
+
+class CacheControl:
+    """``ElasticPipelineStrategy(cache=...)``: ``"auto"`` caches when it can run exactly and
+    turns itself off otherwise; ``True`` refuses what it cannot cache; ``False`` never caches."""
+
+    def __init__(self, mode: bool | str, cache_dir: str | None, ram_bytes: int, device_bytes: int | str) -> None:
+        if mode not in ("auto", True, False):
+            raise ValueError(f"ElasticPipelineStrategy(cache={mode!r}): use 'auto', True or False.")
+        if not (device_bytes == "auto" or (isinstance(device_bytes, int) and device_bytes >= 0)):
+            raise ValueError(
+                f"ElasticPipelineStrategy(cache_device_bytes={device_bytes!r}): use 'auto' or a number of bytes >= 0."
+            )
+        self.mode = mode
+        self.cache_dir = cache_dir
+        self.ram_bytes = ram_bytes
+        self.device_bytes = device_bytes
+        self.cache: AutoCache | None = None
+        self._refusal: str | None = None
+
+    def open(
+        self, run_token: str, node_rank: int, num_samples: int, device: torch.device, share_host: bool
+    ) -> AutoCache:
+        """The run's cache on this rank (created once)."""
+        if self.cache is None:
+            ram, spill = cache_directories(run_token, node_rank, self.cache_dir)
+            self.cache = AutoCache(ram, spill, num_samples, self.ram_bytes, device, self.device_bytes, share_host)
+            self.cache.force = self.mode is True
+            if self._refusal is not None:
+                self.cache.disable(self._refusal + ".")
+        return self.cache
+
+    def refuse(self, reason: str, error: type[Exception], fix: str) -> None:
+        """The cache cannot serve this run: an error under ``cache=True``, else off with a warning."""
+        if self.mode is True:
+            raise error(f"ElasticPipelineStrategy(cache=True): {reason}. {fix}")
+        self._refusal = reason
+        if self.cache is not None and self.cache.enabled:
+            self.cache.disable(reason + ".")
+
+    def on_freeze(self, root: torch.nn.Module, split: BlockSplit, frozen_blocks: int) -> None:
+        """Refuse a frozen prefix that still trains; free the depths no longer needed."""
+        if self.mode is False:
+            return
+        names = trainable_prefix_weights(root, split, frozen_blocks)
+        if names:
+            self.refuse(
+                trainable_prefix_reason(names),
+                TrainablePrefixError,
+                "Pass cache=False (or cache='auto', which turns the cache off for such a model), or freeze or untie "
+                "those weights.",
+            )
+        if self.cache is not None:
+            self.cache.drop_below(frozen_blocks)
+
+    def active(self, device: torch.device, world_size: int) -> bool:
+        """Whether the cache serves the frozen prefix on every rank (a collective)."""
+        flag = torch.tensor(int(self.cache is not None and self.cache.paying), device=device)
+        if world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag)
+
+    def begin_epoch(self, world_size: int) -> None:
+        if self.cache is not None:
+            self.cache.begin_epoch(world_size)
+
+    def epoch_stats(self, device: torch.device, world_size: int) -> dict[str, float]:
+        """Hit rate, share and bytes served by each tier over every rank since the last call,
+        and the bytes cached per tier on the fullest rank (collective)."""
+        cache = self.cache
+        counts = cache.take_counts() if cache is not None else None
+        sums = [float(counts.hits), float(counts.lookups)] if counts else [0.0, 0.0]
+        sums += [float(counts.served[n]) if counts else 0.0 for n in TIER_NAMES]
+        sums += [float(counts.served_bytes[n]) if counts else 0.0 for n in TIER_NAMES]
+        sums.append(float(counts.prefetched) if counts else 0.0)
+        sizes = [float(cache.tier_bytes(n)) if cache else 0.0 for n in TIER_NAMES]
+        sums_t = torch.tensor(sums, dtype=torch.float64, device=device)
+        sizes_t = torch.tensor(sizes, dtype=torch.float64, device=device)
+        if world_size > 1:
+            dist.all_reduce(sums_t)
+            dist.all_reduce(sizes_t, op=dist.ReduceOp.MAX)  # the ranks of a node share the same files
+        sums, sizes = sums_t.tolist(), sizes_t.tolist()
+        stats = {f"cache_{name}_bytes": size for name, size in zip(("device", "ram", "disk"), sizes)}
+        hits, lookups = sums[:2]
+        if lookups > 0:
+            stats["cache_hit_rate"] = hits / lookups
+            stats["cache_prefetched"] = sums[-1] / lookups
+            for i, name in enumerate(TIER_NAMES):
+                stats[f"cache_served_{name}"] = sums[2 + i] / lookups
+                stats[f"cache_served_{name}_bytes"] = sums[2 + len(TIER_NAMES) + i]
+        return stats
+
+    def close(self, remove_files: bool) -> None:
+        if self.cache is not None:
+            self.cache.close(remove_files)
+            self.cache = None

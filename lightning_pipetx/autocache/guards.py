@@ -1,0 +1,79 @@
+"""When AutoCache must not serve: a frozen prefix that still trains, and inputs that change.
+
+* :func:`trainable_prefix_weights`: a weight of ``pre`` or of a frozen block that still
+  requires a gradient (GPT-2's input embedding, tied to its LM head) would make a cached
+  state stale and lose its gradient.
+* :class:`InputGuard`: a fingerprint of every sample's input, kept on the training device;
+  a sample whose input changed since the last epoch that saw it (random augmentation,
+  dynamic padding) is counted on the device, without a host copy, and the count is read
+  once per epoch. The cache serves nothing before one such check has passed, so a stale
+  state is never read: the epoch that fills the cache is always compared with an earlier one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_pipetx.blocks import BlockSplit
+
+
+class TrainablePrefixError(ValueError):
+    """``cache=True`` was asked for a frozen prefix that still has a trainable weight."""
+
+
+def trainable_prefix_weights(root: torch.nn.Module, split: BlockSplit, frozen_blocks: int) -> list[str]:
+    """Names of the weights of ``pre`` and blocks ``[0, frozen_blocks)`` that still require a gradient."""
+    if frozen_blocks <= 0:
+        return []
+    prefix = {id(p) for p in split.pre_parameters()}
+    for i in range(frozen_blocks):
+        prefix.update(id(p) for p in split.block_parameters(i))
+    return [name for name, p in root.named_parameters() if id(p) in prefix and p.requires_grad]
+
+
+def trainable_prefix_reason(names: list[str]) -> str:
+    """Why the cache cannot serve a prefix in which ``names`` still train."""
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (
+        f"the frozen prefix still trains {shown} (for example an input embedding tied to the output layer, as in "
+        f"GPT-2): cached hidden states would go stale and the gradient through them would be lost"
+    )
+
+
+CHANGED_INPUT = (
+    "a sample's input changed between epochs (random augmentation, or dynamic padding that pads it to another "
+    "length). Cache only deterministic, fixed-shape inputs, or pass cache=False."
+)
+
+
+class InputGuard:
+    """Per-sample input fingerprints on ``device``, compared with the previous epoch's."""
+
+    def __init__(self, num_samples: int, device: torch.device) -> None:
+        self._fingerprints = torch.zeros(num_samples, dtype=torch.float64, device=device)
+        self._seen = torch.zeros(num_samples, dtype=torch.bool, device=device)
+        # [samples compared, samples changed] since the last verdict, on the device.
+        self._counts = torch.zeros(2, dtype=torch.float64, device=device)
+        self.trusted = False  # one verdict found compared samples and no change
+
+    def observe(self, indices: torch.Tensor, fingerprints: torch.Tensor) -> None:
+        """Record this step's fingerprints (``indices`` on the host); no host synchronisation."""
+        indices = indices.to(self._seen.device, non_blocking=True)
+        seen = self._seen[indices]
+        changed = seen & (self._fingerprints[indices] != fingerprints)
+        self._counts += torch.stack([seen.sum(), changed.sum()]).to(torch.float64)
+        self._fingerprints[indices] = fingerprints
+        self._seen[indices] = True
+
+    def take_counts(self) -> torch.Tensor:
+        """``[samples compared, samples changed]`` since the last call (on the device)."""
+        counts = self._counts.clone()
+        self._counts.zero_()
+        return counts
+
+    def judge(self, compared: float, changed: float) -> bool:
+        """Whether an input changed, given the counts of every rank; trusts the inputs once a
+        check compared samples and found none changed."""
+        if changed == 0 and compared > 0:
+            self.trusted = True
+        return changed > 0

@@ -1,0 +1,62 @@
+"""The engine's side of AutoCache, on the first stage: per step, record the inputs and serve
+or fill the frozen prefix of each micro-batch."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from lightning_pipetx.autocache.cache import AutoCache
+from lightning_pipetx.strategy.fingerprint import sample_fingerprints
+from lightning_pipetx.strategy.p2p import Activation
+from lightning_pipetx.strategy.stage_hooks import StageHooks
+
+
+class CachedPrefix:
+    """Serves the frozen prefix of a stage's micro-batches from ``cache`` through ``hooks``."""
+
+    def __init__(self, cache: AutoCache, hooks: StageHooks, device: torch.device) -> None:
+        self.cache = cache
+        self.hooks = hooks
+        self.device = device
+
+    def begin_step(
+        self, batch: Any, indices: torch.Tensor, sizes: list[int], depth: int
+    ) -> Callable[[int], contextlib.AbstractContextManager] | None:
+        """Record the batch's inputs; the per-micro-batch context when ``depth`` frozen blocks can be cached."""
+        cache = self.cache
+        cache.flush_writes()
+        cache.guard.observe(indices, sample_fingerprints(batch, len(indices), self.device))
+        if depth == 0 or not cache.enabled:
+            return None
+        parts = torch.split(indices, sizes)
+        return lambda position: self._microbatch(parts[position], depth)
+
+    def end_step(self, upcoming: torch.Tensor | None, depth: int) -> None:
+        """Start reading the next batch's states while this step's work finishes."""
+        if upcoming is not None and depth > 0 and self.cache.enabled:
+            self.cache.prefetch(upcoming, depth)
+
+    @contextlib.contextmanager
+    def _microbatch(self, indices: torch.Tensor, depth: int) -> Iterator[None]:
+        hooks, cache = self.hooks, self.cache
+        level, states, tuple_len = cache.lookup(indices, depth)
+        if states is not None:
+            hooks.incoming = Activation.of_hidden(states, tuple_len)
+            hooks.skip_until = level
+        timing: list[object | None] = [None]
+        if level < depth:
+            hooks.capture_at = depth - 1
+            hooks.on_first_block = lambda: timing.__setitem__(0, cache.watch.start("compute"))
+            hooks.on_capture = lambda: cache.watch.stop("compute", timing[0], len(indices) * (depth - level))
+        try:
+            yield
+        finally:
+            captured = hooks.captured
+            hooks.skip_until, hooks.capture_at, hooks.captured = 0, -1, None
+            hooks.on_first_block = hooks.on_capture = None
+            if captured is not None:
+                cache.store(indices, depth, captured)

@@ -1,0 +1,146 @@
+"""Where AutoCache keeps the hidden states of one depth: the training device, host RAM, disk.
+
+Every tier answers, on the host and without touching the device, which of a micro-batch's
+samples it holds (:meth:`Tier.holds`), reads them with one batched gather, and writes them.
+
+* :class:`DeviceTier`: a tensor on the training device with a slot per sample it took, up
+  to a row budget: a warm step reads it without crossing PCIe.
+* :class:`FileTier`: a file-backed array every process of the node maps, in ``/dev/shm``
+  (``"host"``) or in a disk folder (``"disk"``). Reads gather rows into pinned memory and
+  copy them to the device without blocking; replicas of one node share what any of them
+  cached.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+
+TIER_NAMES = ("device", "host", "disk")
+
+
+def nbytes_of(rows: int, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return rows * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def shared_tensor(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor backed by ``path``, shared with every process that maps the same file.
+
+    The file's blocks are reserved first (``posix_fallocate``): a full file system (a 64 MB
+    ``/dev/shm`` in a container) raises ``OSError`` here instead of a SIGBUS on a later write.
+    """
+    nbytes = nbytes_of(1, shape, dtype)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if nbytes:
+            os.posix_fallocate(fd, 0, nbytes)
+    finally:
+        os.close(fd)
+    return torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+
+
+def free_bytes(folder: Path) -> int:
+    """Bytes the file system of ``folder`` still has for an unprivileged writer."""
+    stats = os.statvfs(folder)
+    return stats.f_bavail * stats.f_frsize
+
+
+class Tier:
+    """The states of one depth in one kind of memory."""
+
+    name: str
+    data: torch.Tensor
+
+    def holds(self, indices: torch.Tensor) -> torch.Tensor:
+        """A host bool per sample of ``indices``: whether this tier has its state."""
+        raise NotImplementedError
+
+    def read(self, indices: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The states of ``indices`` (all held), on ``device``; may return before the copy ends."""
+        raise NotImplementedError
+
+    def write(self, indices: torch.Tensor, states: torch.Tensor) -> None:
+        """Keep the states of ``indices`` (rows of ``states``, on any device), as room allows."""
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def close(self) -> None:
+        """Release the memory (and files) of this tier."""
+
+
+class DeviceTier(Tier):
+    """Up to ``capacity`` samples' states on the training device, first come first kept."""
+
+    name = "device"
+
+    def __init__(
+        self, num_samples: int, capacity: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.slot = torch.full((num_samples,), -1, dtype=torch.long)  # host: answers holds() without a sync
+        self.data = torch.empty((capacity, *shape), dtype=dtype, device=device)
+        self.used = 0
+
+    def holds(self, indices: torch.Tensor) -> torch.Tensor:
+        return self.slot[indices] >= 0
+
+    def read(self, indices: torch.Tensor, device: torch.device) -> torch.Tensor:
+        slots = self.slot[indices].to(self.data.device, non_blocking=True)
+        return self.data.index_select(0, slots)
+
+    def write(self, indices: torch.Tensor, states: torch.Tensor) -> None:
+        slots = self.slot[indices]
+        new = (slots < 0).nonzero().flatten()[: self.data.shape[0] - self.used]
+        slots[new] = torch.arange(self.used, self.used + len(new))
+        self.slot[indices[new]] = slots[new]
+        self.used += len(new)
+        kept = (slots >= 0).nonzero().flatten()
+        if len(kept):
+            rows = states.index_select(0, kept.to(states.device, non_blocking=True))
+            self.data.index_copy_(0, slots[kept].to(self.data.device, non_blocking=True), rows.to(self.data))
+
+    def close(self) -> None:
+        self.data = self.data.new_empty((0, *self.data.shape[1:]))
+
+
+class FileTier(Tier):
+    """Every sample's state in a file of ``folder``, shared by the ranks of the node."""
+
+    def __init__(
+        self, name: str, folder: Path, depth: int, num_samples: int, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> None:
+        self.name = name
+        self.paths = (folder / f"depth{depth}", folder / f"depth{depth}.valid")
+        try:
+            self.data = shared_tensor(self.paths[0], (num_samples, *shape), dtype)
+            self.valid = shared_tensor(self.paths[1], (num_samples,), torch.uint8)
+        except OSError:
+            self.unlink()
+            raise
+
+    def holds(self, indices: torch.Tensor) -> torch.Tensor:
+        return self.valid[indices].bool()
+
+    def read(self, indices: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if device.type != "cuda":
+            return self.data.index_select(0, indices)
+        staging = torch.empty((len(indices), *self.data.shape[1:]), dtype=self.data.dtype, pin_memory=True)
+        torch.index_select(self.data, 0, indices, out=staging)
+        return staging.to(device, non_blocking=True)
+
+    def write(self, indices: torch.Tensor, states: torch.Tensor) -> None:
+        self.data.index_copy_(0, indices, states.to("cpu", self.data.dtype))
+        self.valid[indices] = 1
+
+    def unlink(self) -> None:
+        """Remove the files; pages another rank still maps stay valid until it drops them."""
+        for path in self.paths:
+            path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self.unlink()

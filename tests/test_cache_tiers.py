@@ -1,0 +1,141 @@
+"""AutoCache's tiers on CPU: which tier served each hit, budgets, spill and refill, the input
+guard's deferred verdict, and a tier dropped when reading it was measured slower than computing."""
+
+import lightning.pytorch as pl
+import tiny_models as tm
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
+
+from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
+from lightning_pipetx.autocache import AutoCache, CacheControl
+from lightning_pipetx.strategy.p2p import Activation
+
+ROW_BYTES = tm.SEQ_LEN * tm.HIDDEN * 4  # one sample's hidden state, float32
+
+
+def _states(value, size):
+    return Activation.of_hidden(torch.full((size, 3, 2), float(value)), 0)
+
+
+def _checked(cache, size):
+    indices = torch.arange(size)
+    for _ in range(2):  # two epochs saw the same inputs
+        cache.guard.observe(indices, indices.to(torch.float64))
+    cache.begin_epoch(group_size=1)
+    return cache
+
+
+def test_the_device_tier_serves_first_and_host_ram_the_rest(tmp_path):
+    row = 3 * 2 * 4
+    cache = _checked(
+        AutoCache(tmp_path / "ram", tmp_path / "spill", 8, 2**20, device_budget=3 * row, share_host=False), 8
+    )
+    cache.store(torch.arange(8), 1, _states(1, 8))
+    assert cache.tier_bytes("device") == 3 * row  # the budget, no more
+    assert cache.tier_bytes("host") == 8 * row and cache.tier_bytes("disk") == 0
+    level, states, _ = cache.lookup(torch.tensor([6, 0, 7, 1]), 1)
+    assert level == 1 and torch.equal(states, torch.ones(4, 3, 2))
+    counts = cache.take_counts()
+    assert (counts.hits, counts.lookups) == (4, 4)
+    assert dict(counts.served) == {"device": 2, "host": 2, "disk": 0}
+    assert counts.served_bytes["device"] == 2 * row
+    cache.close(remove_files=True)
+
+
+def test_a_depth_spills_to_disk_beyond_the_ram_budget_and_refills_ram_once_older_depths_go(tmp_path):
+    row = 3 * 2 * 4
+    cache = _checked(AutoCache(tmp_path / "ram", tmp_path / "spill", 4, ram_budget=4 * row + 4, device_budget=0), 4)
+    indices = torch.arange(4)
+    for depth in (1, 2):
+        cache.store(indices, depth, _states(depth, 4))
+    assert cache.tier_bytes("host") == 4 * row and cache.tier_bytes("disk") == 4 * row  # depth 2 spilled
+    cache.store(indices, 3, _states(3, 4))
+    cache.drop_below(4)  # depths 1 and 2 freed: RAM has room again
+    cache.store(indices, 4, _states(4, 4))
+    assert cache.tier_bytes("host") == 4 * row and cache.tier_bytes("disk") == 4 * row  # 4 in RAM, 3 on disk
+    assert sorted(p.name for p in (tmp_path / "ram").glob("depth?")) == ["depth4"]
+    assert sorted(p.name for p in cache.spill_directory.glob("depth?")) == ["depth3"]
+    cache.lookup(indices, 4)
+    assert dict(cache.take_counts().served) == {"device": 0, "host": 4, "disk": 0}
+    cache.close(remove_files=True)
+
+
+def test_nothing_is_served_before_an_input_check_passed_and_a_changed_input_switches_it_off(tmp_path, caplog):
+    cache = AutoCache(tmp_path / "ram", tmp_path / "spill", 4, 2**20)
+    indices = torch.arange(4)
+    cache.guard.observe(indices, torch.zeros(4, dtype=torch.float64))
+    cache.store(indices, 1, _states(1, 4))
+    assert cache.lookup(indices, 1)[1] is None  # no epoch compared yet
+    cache.begin_epoch(group_size=1)
+    assert cache.lookup(indices, 1)[1] is None  # still nothing compared
+    cache.guard.observe(indices, torch.tensor([0.0, 0.0, 5.0, 0.0], dtype=torch.float64))  # sample 2 changed
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        cache.begin_epoch(group_size=1)
+    assert not cache.enabled and "input changed between epochs" in caplog.text
+    assert cache.lookup(indices, 1)[1] is None
+    cache.close(remove_files=True)
+
+
+def test_a_tier_measured_slower_than_the_prefix_is_dropped_and_autopipe_stops_counting_it_free(tmp_path, caplog):
+    control = CacheControl("auto", str(tmp_path), ram_bytes=2**20, device_bytes=0)
+    cache = _checked(control.open("run", 0, 4, torch.device("cpu"), share_host=False), 4)
+    cache.store(torch.arange(4), 2, _states(2, 4))
+    # What the stopwatch resolved from the last epoch: a read of a sample from RAM took 1 ms,
+    # a frozen block 10 us per sample (a slow file system under a small model).
+    cache.watch.seconds["host"] = [1e-3] * 4
+    cache.watch.seconds["compute"] = [1e-5] * 4
+    assert control.active(torch.device("cpu"), world_size=1)
+    with caplog.at_level("INFO", logger="lightning_pipetx"):
+        control.begin_epoch(world_size=1)
+    assert cache.dropped == {"host", "disk"}
+    assert caplog.text.count("stops using its host tier") == 1
+    assert not cache.serving and cache.lookup(torch.arange(4), 2)[1] is None
+    assert not control.active(torch.device("cpu"), world_size=1)  # AutoPipe costs the prefix again
+    control.close(remove_files=True)
+
+
+class Stats(Callback):
+    def __init__(self):
+        self.epochs = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.epochs.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("pipetx/cache")})
+
+
+def _fit(tmp_path, cache, **strategy_kwargs):
+    module = tm.TinyBertClassifier(seed=0, dropout=0.0)
+    stats = Stats()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ElasticPipelineStrategy(cache=cache, profile_steps=0, cache_dir=str(tmp_path), **strategy_kwargs),
+        max_epochs=4,
+        callbacks=[FreezeCallback(alpha=1 / 2, signal="schedule", freeze_interval=2), stats],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    data = tm.RandomTokenDataset(size=32, seed=1)
+    trainer.fit(module, DataLoader(data, batch_size=8, shuffle=True))
+    return module.state_dict(), stats.epochs
+
+
+def test_a_warm_epoch_is_served_from_the_device_tier_a_step_ahead_and_trains_as_without_cache(tmp_path):
+    uncached, _ = _fit(tmp_path, False)
+    cached, epochs = _fit(tmp_path, True, cache_device_bytes=32 * ROW_BYTES)
+    for key in uncached:
+        torch.testing.assert_close(cached[key], uncached[key], atol=1e-6, rtol=1e-5, msg=key)
+    last = epochs[-1]
+    assert last["pipetx/cache_hit_rate"] == 1.0 and last["pipetx/cache_served_device"] == 1.0
+    assert last["pipetx/cache_device_bytes"] == 32 * ROW_BYTES and last["pipetx/cache_ram_bytes"] == 0
+
+
+def test_host_ram_reads_are_prefetched_a_step_ahead(tmp_path):
+    _, epochs = _fit(tmp_path, True, cache_device_bytes=0)
+    last = epochs[-1]
+    assert last["pipetx/cache_hit_rate"] == 1.0 and last["pipetx/cache_served_host"] == 1.0
+    assert last["pipetx/cache_served_host_bytes"] == 32 * ROW_BYTES
+    assert last["pipetx/cache_prefetched"] == 0.75  # every batch but an epoch's first
