@@ -88,6 +88,7 @@ class FreezeCallback(Callback):
         self.last_decision: FreezeDecision | None = None
         self._norm_sums: torch.Tensor | None = None
         self._norm_steps = 0
+        self._device_norms: torch.Tensor | None = None  # [sums per block..., steps], on the device
         self._split: BlockSplit | None = None
         self._epoch_samples = 0
         self._epoch_seconds = 0.0
@@ -116,6 +117,7 @@ class FreezeCallback(Callback):
             )
         if self._norm_sums is None or self._norm_sums.numel() != num_blocks:
             self._norm_sums = torch.zeros(num_blocks, dtype=torch.float64)
+            self._device_norms = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Re-applies a frozen prefix restored from a checkpoint (ckpt_path=...).
@@ -152,21 +154,34 @@ class FreezeCallback(Callback):
     ) -> None:
         if self.signal != "grad_norm":
             return
-        norms = torch.zeros_like(self._norm_sums)
-        measured = False
+        # Summed where the gradients live, without a host read per step (see _collect_norms).
+        norms, device = None, None
         for index in range(self.frozen_blocks, self.split.num_blocks):
             grads = [p.grad for p in self.split.block_parameters(index) if p.grad is not None]
             if grads:
-                measured = True
+                if norms is None:
+                    device = grads[0].device
+                    norms = torch.zeros(len(self._norm_sums), dtype=torch.float64, device=device)
                 norms[index] = torch.linalg.vector_norm(
                     torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads])
-                ).item()
-        if measured and torch.isfinite(norms).all():  # skip steps that overflowed (fp16 loss scaling)
-            self._norm_sums += norms
-            self._norm_steps += 1
+                ).to(torch.float64)
+        if norms is None:
+            return
+        finite = torch.isfinite(norms).all()  # skip steps that overflowed (fp16 loss scaling)
+        step = torch.cat([torch.where(finite, norms, 0.0), finite.to(torch.float64)[None]])
+        self._device_norms = step if self._device_norms is None else self._device_norms.to(device) + step
+
+    def _collect_norms(self) -> None:
+        """Move the gradient norms summed on the device into the host totals (one read)."""
+        if self._device_norms is not None:
+            totals = self._device_norms.cpu()
+            self._norm_sums += totals[:-1]
+            self._norm_steps += int(totals[-1])
+            self._device_norms = None
 
     # ---------------------------------------------------------------- decision
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._collect_norms()
         # The values agree on every rank; sync_dist only keeps Lightning from warning.
         pl_module.log("pipetx/frozen_blocks", float(self.frozen_blocks), on_step=False, on_epoch=True, sync_dist=True)
         if self._epoch_seconds > 0 and self._epoch_samples > 0:
@@ -253,6 +268,7 @@ class FreezeCallback(Callback):
 
     # -------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
+        self._collect_norms()
         return {
             "frozen_blocks": self.frozen_blocks,
             "decisions": self.decisions,
@@ -266,6 +282,7 @@ class FreezeCallback(Callback):
         self.decisions = int(state_dict["decisions"])
         sums = state_dict.get("norm_sums")
         self._norm_sums = None if sums is None else torch.tensor(sums, dtype=torch.float64)
+        self._device_norms = None
         self._norm_steps = int(state_dict.get("norm_steps", 0))
         if self.guard is not None and state_dict.get("guard") is not None:
             self.guard.load_state_dict(state_dict["guard"])
