@@ -31,3 +31,11 @@ def launch(script: str, config: str, nprocs: int, argv: list[str], result_dir: s
     if proc.returncode != 0:
         raise RuntimeError(f"{config} failed:\n{(proc.stdout + proc.stderr)[-6000:]}")
     return [json.loads(p.read_text()) for p in sorted(Path(result_dir).glob(f"{config}_rank*.json"))]
+
+
+def write_json(path: str | Path, result: dict) -> None:
+    """Write a benchmark's figures to ``path`` (folders created) and say where."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")

@@ -52,7 +52,8 @@ def worker(args: argparse.Namespace) -> None:
     callbacks: list[Callback] = []
     if config == "full":
         length = args.pipeline_length if args.pipeline_length == "auto" else int(args.pipeline_length)
-        strategy, callbacks = ElasticPipelineStrategy(pipeline_length=length), [FreezeCallback()]
+        freeze = FreezeCallback() if args.alpha is None else FreezeCallback(alpha=args.alpha)
+        strategy, callbacks = ElasticPipelineStrategy(pipeline_length=length), [freeze]
     elif config == "pipe":
         strategy = ElasticPipelineStrategy(pipeline_length=world, elastic=False, cache=False)
     else:
@@ -117,14 +118,14 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.result_dir, f"{config}_rank0.json").write_text(json.dumps(result))
 
 
-def ideal_speedup(frozen_per_epoch: list[int], blocks: int, frozen_cost: float = 1 / 3) -> float:
+def ideal_speedup(frozen_per_epoch: list[int], blocks: int, frozen_cost: float = 1 / 3, cache: bool = True) -> float:
     """Epochs of a plain run over the same epochs with the blocks the run froze: a frozen block
-    costs ``frozen_cost`` of a trained one (forward only), a cached one nothing after the epoch
-    that fills its cache (the embeddings and head are counted as trained)."""
+    costs ``frozen_cost`` of a trained one (forward only), and with ``cache`` a cached one nothing
+    after the epoch that fills its cache (the embeddings and head are counted as trained)."""
     cost, cached = 0.0, 0
     for frozen in frozen_per_epoch:
         cost += (blocks - frozen + frozen_cost * (frozen - cached)) / blocks
-        cached = frozen
+        cached = frozen if cache else 0
     return len(frozen_per_epoch) / cost
 
 
@@ -190,6 +191,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None, help="global batch")
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument(
+        "--alpha", type=float, default=None, help="the full system's FreezeCallback alpha (default: its own)"
+    )
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--pipeline-length", default="auto", help="the full system's first pipeline length")

@@ -12,12 +12,21 @@ measured, never asserted. Example::
 
     OMP_NUM_THREADS=1 python benchmarks/freeze_single.py --epochs 6 --data digits --device cpu
     python benchmarks/freeze_single.py --device cuda --data synthetic --depth 12 --embed-dim 384 --num-heads 6
+
+``--model bert``: a BERT classifier (random weights) of ``--depth`` blocks and width
+``--embed-dim`` on fixed-length synthetic sentences (``--max-length`` tokens), the AutoCache
+benchmark. BERT-base-sized on a GPU, 7 epochs (the last one at the final depth, warm)::
+
+    python benchmarks/freeze_single.py --model bert --device cuda --precision bf16-mixed --depth 12 \
+        --embed-dim 768 --num-heads 12 --max-length 128 --num-samples 8192 --batch-size 32 \
+        --epochs 7 --signal schedule --alpha 0.3333
+    OMP_NUM_THREADS=1 python benchmarks/freeze_single.py --model bert --depth 6 --embed-dim 256 \
+        --num-heads 4 --max-length 64 --num-samples 1024 --epochs 7 --signal schedule --alpha 0.3333
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -30,7 +39,10 @@ sys.path[:0] = [str(_ROOT / "examples"), str(_ROOT)]
 import lightning  # noqa: E402
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from _launch import write_json  # noqa: E402
+from finetune import ideal_speedup  # noqa: E402
 from image_classification import ImageClassifier, ImageDataModule  # noqa: E402
+from text_classification import SentimentDataModule, TextClassifier  # noqa: E402
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback  # noqa: E402
 from lightning_pipetx.callbacks.report import EpochReport  # noqa: E402
@@ -77,7 +89,10 @@ def _synchronize(pl_module: pl.LightningModule) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=6, help="epochs of each run")
-    parser.add_argument("--data", choices=("digits", "synthetic"), default="digits")
+    parser.add_argument("--model", choices=("vit", "bert"), default="vit")
+    parser.add_argument("--data", choices=("digits", "synthetic"), default="digits", help="the ViT's data")
+    parser.add_argument("--max-length", type=int, default=128, help="tokens per sentence (bert)")
+    parser.add_argument("--signal", choices=("grad_norm", "schedule"), default="grad_norm")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--precision", default="32-true", help="Trainer precision, e.g. bf16-mixed")
     parser.add_argument("--depth", type=int, default=6, help="Transformer blocks")
@@ -96,8 +111,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _build(args: argparse.Namespace) -> tuple[ImageClassifier, ImageDataModule]:
+def _build(args: argparse.Namespace) -> tuple[pl.LightningModule, pl.LightningDataModule]:
     pl.seed_everything(args.seed, verbose=False)
+    if args.model == "bert":
+        model = TextClassifier(
+            pretrained="none",
+            hidden_size=args.embed_dim,
+            num_layers=args.depth,
+            num_heads=args.num_heads,
+            lr=args.lr,
+        )
+        data = SentimentDataModule(
+            pretrained="none",
+            dataset="synthetic",
+            num_samples=args.num_samples,
+            batch_size=args.batch_size,
+            max_length=args.max_length,
+            seed=args.seed,
+            fixed_length=True,
+        )
+        return model, data
     model = ImageClassifier(
         img_size=args.img_size,
         patch_size=args.patch_size,
@@ -146,7 +179,7 @@ def run(args: argparse.Namespace, name: str) -> dict[str, Any]:
     callbacks: list[pl.Callback] = [timer, report]
     kwargs: dict[str, Any] = {}
     if name != "unfrozen":
-        callbacks.append(FreezeCallback(alpha=args.alpha))
+        callbacks.append(FreezeCallback(alpha=args.alpha, signal=args.signal))
     if name == "frozen_cached":  # the single-device path of the strategy, for AutoCache
         kwargs["strategy"] = ElasticPipelineStrategy(cache=True)
     model, data = _build(args)
@@ -179,6 +212,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if blocks * 2 >= args.depth and hits == 1.0
     ]
 
+    ideal_frozen = ideal_speedup(cached["frozen_blocks"], args.depth, cache=False)
+    ideal_cached = ideal_speedup(cached["frozen_blocks"], args.depth)
     ratios = [f / u for f, u in zip(frozen["train_seconds"], unfrozen["train_seconds"])]
     total_ratio = frozen["total_train_seconds"] / unfrozen["total_train_seconds"]
     cpu_ratios = [f / u for f, u in zip(frozen["train_cpu_seconds"], unfrozen["train_cpu_seconds"])]
@@ -199,6 +234,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "cached_time_ratio_per_epoch": cached_ratios,
         "cached_time_ratio_total": cached["total_train_seconds"] / unfrozen["total_train_seconds"],
         "half_frozen_warm_cache_epoch_ratio": min(warm) if warm else None,
+        "speedup_frozen": 1 / total_ratio,
+        "speedup_cached": unfrozen["total_train_seconds"] / cached["total_train_seconds"],
+        "ideal_speedup_frozen": ideal_frozen,
+        "ideal_speedup_cached": ideal_cached,
         "train_time_ratio_per_epoch": ratios,
         "train_time_ratio_total": total_ratio,
         "train_cpu_time_ratio_per_epoch": cpu_ratios,
@@ -235,15 +274,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         hit_rate = "-" if hits is None else f"{hits:.0%}"
         print(f"{epoch:5d}  frozen {blocks:2d}  hit rate {hit_rate:>5s}  ratio {ratio:5.2f}")
     print(f"total ratio {result['cached_time_ratio_total']:.2f}, final val_acc {cached['final_val_acc']:.4f}")
+    print(
+        f"speed-up over unfrozen: freezing {result['speedup_frozen']:.2f}x (ideal {ideal_frozen:.2f}x), "
+        f"freezing + AutoCache {result['speedup_cached']:.2f}x (ideal {ideal_cached:.2f}x)"
+    )
     if warm:
         print(
             f"epoch with >= half the blocks frozen and a warm cache: {min(warm):.2f}x the unfrozen epoch (target <= 0.6)"
         )
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_json(args.out, result)
     return result
 
 

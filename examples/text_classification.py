@@ -95,31 +95,36 @@ def make_sentences(num_samples: int, seed: int) -> list[tuple[str, int]]:
 
 
 class WordTokenizer:
-    """Whitespace tokenizer over :data:`VOCAB`, padding each batch to its longest sentence."""
+    """Whitespace tokenizer over :data:`VOCAB`, padding each batch to its longest sentence
+    (or, with ``padding="max_length"``, to ``max_length``)."""
 
     def __init__(self) -> None:
         self.index = {word: i for i, word in enumerate(VOCAB)}
 
-    def __call__(self, texts: list[str], max_length: int = 64, **kwargs) -> dict[str, torch.Tensor]:
+    def __call__(
+        self, texts: list[str], max_length: int = 64, padding: bool | str = True, **kwargs
+    ) -> dict[str, torch.Tensor]:
         """Token ids, attention mask and token types; accepts (and ignores) HF tokenizers' other options."""
         unk, cls, sep = (self.index[t] for t in ("[UNK]", "[CLS]", "[SEP]"))
         rows = [[cls, *(self.index.get(w, unk) for w in text.lower().split())][: max_length - 1] for text in texts]
         rows = [row + [sep] for row in rows]
-        width = max(len(row) for row in rows)
+        width = max_length if padding == "max_length" else max(len(row) for row in rows)
         input_ids = torch.tensor([row + [self.index["[PAD]"]] * (width - len(row)) for row in rows])
         attention_mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
         return {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": torch.zeros_like(input_ids)}
 
 
 class Collate:
-    """Tokenize a list of ``(text, label)`` pairs into one dynamically padded batch."""
+    """Tokenize a list of ``(text, label)`` pairs into one batch, padded to its longest sentence
+    or, with ``fixed_length``, to ``max_length`` (the shape AutoCache needs)."""
 
-    def __init__(self, tokenizer, max_length: int) -> None:
-        self.tokenizer, self.max_length = tokenizer, max_length
+    def __init__(self, tokenizer, max_length: int, fixed_length: bool = False) -> None:
+        self.tokenizer, self.max_length, self.fixed_length = tokenizer, max_length, fixed_length
 
     def __call__(self, samples: list[tuple[str, int]]) -> dict[str, torch.Tensor]:
         texts, labels = zip(*samples)
-        options = dict(padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
+        padding = "max_length" if self.fixed_length else True
+        options = dict(padding=padding, truncation=True, max_length=self.max_length, return_tensors="pt")
         batch = dict(self.tokenizer(list(texts), **options))
         batch["labels"] = torch.tensor(labels)
         return batch
@@ -229,6 +234,8 @@ class SentimentDataModule(pl.LightningDataModule):
         max_length: tokens per sample (Rotten Tomatoes: every snippet padded or cut to it).
         seed: seed of the synthetic sentences, of the movie split and of the subsets.
         num_workers: DataLoader workers.
+        fixed_length: pad the synthetic sentences to ``max_length`` instead of to each batch's
+            longest (AutoCache caches fixed shapes only).
     """
 
     def __init__(
@@ -243,6 +250,7 @@ class SentimentDataModule(pl.LightningDataModule):
         max_length: int = 64,
         seed: int = 0,
         num_workers: int = 0,
+        fixed_length: bool = False,
     ) -> None:
         super().__init__()
         if dataset not in ("rotten_tomatoes", "synthetic"):
@@ -256,7 +264,7 @@ class SentimentDataModule(pl.LightningDataModule):
                 "local model directory as pretrained), or use dataset='synthetic'."
             )
         self.tokenizer = WordTokenizer() if path is None else AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.collate = Collate(self.tokenizer, max_length)
+        self.collate = Collate(self.tokenizer, max_length, fixed_length)
 
     def setup(self, stage: str) -> None:
         if self.sets:

@@ -18,6 +18,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def worker_env(extra: dict | None = None) -> dict:
+    """This environment for a worker process: one thread, the tests' import paths, ``extra``."""
+    env = {
+        **os.environ,
+        **(extra or {}),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(
+            [str(TESTS_DIR / "workers"), str(TESTS_DIR), str(REPO), os.environ.get("PYTHONPATH", "")]
+        ),
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.pop("PL_GLOBAL_SEED", None)
+    return env
+
+
 def run_workers(
     script: str, nprocs: int, *args: str, timeout: float = 600, expect_failure: bool = False, env: dict | None = None
 ) -> str:
@@ -28,16 +43,7 @@ def run_workers(
     Fails the calling test with the workers' output when they fail (or, with
     ``expect_failure``, when they succeed).
     """
-    env = {
-        **os.environ,
-        **(env or {}),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(
-            [str(TESTS_DIR / "workers"), str(TESTS_DIR), str(REPO), os.environ.get("PYTHONPATH", "")]
-        ),
-        "PYTHONUNBUFFERED": "1",
-    }
-    env.pop("PL_GLOBAL_SEED", None)
+    env = worker_env(env)
     command = [
         sys.executable,
         "-m",
@@ -59,15 +65,7 @@ def run_workers(
 def run_nodes(script: str, nodes: int, nprocs: int, *args: str, timeout: float = 600) -> str:
     """Run ``tests/workers/<script>`` as ``nodes`` simulated nodes of ``nprocs`` gloo processes
     each: one ``torchrun --nnodes`` launcher per node, all on this machine."""
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(
-            [str(TESTS_DIR / "workers"), str(TESTS_DIR), str(REPO), os.environ.get("PYTHONPATH", "")]
-        ),
-        "PYTHONUNBUFFERED": "1",
-    }
-    env.pop("PL_GLOBAL_SEED", None)
+    env = worker_env()
     port = free_port()
     launchers = [
         subprocess.Popen(

@@ -135,3 +135,13 @@ def test_fallback_model_and_tokenizer_pad_each_batch_to_its_longest_sentence(exa
     assert len(list(model.model.bert.encoder.layer)) == 4
     logits = model(long)
     assert logits.shape == (2, example.NUM_LABELS) and torch.isfinite(logits).all()
+
+
+def test_fixed_length_pads_every_synthetic_batch_to_max_length(example):
+    sentences = example.make_sentences(8, seed=0)
+    dynamic = example.Collate(example.WordTokenizer(), max_length=24)(sentences)
+    fixed = example.Collate(example.WordTokenizer(), max_length=24, fixed_length=True)(sentences)
+    assert dynamic["input_ids"].shape[1] < 24 and fixed["input_ids"].shape == (8, 24)
+    width = dynamic["input_ids"].shape[1]
+    assert torch.equal(fixed["input_ids"][:, :width], dynamic["input_ids"])
+    assert not fixed["attention_mask"][:, width:].any() and torch.equal(fixed["labels"], dynamic["labels"])
