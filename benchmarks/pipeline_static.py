@@ -8,8 +8,11 @@ One run measures, on the same model, data and global batch, with ``--nprocs`` pr
   the bubble model ``pipe_k1 * M / (M + N - 1)``;
 * ``single``: one process, for the memory comparison.
 
-It prints samples/s, ratios and memory per rank, and writes them to ``--out`` (JSON).
-Usage: python benchmarks/pipeline_static.py [--nprocs 2] [--steps 12] [--out results/pipeline_static.json]
+It prints samples/s, ratios and memory per rank, and writes them to ``--out`` (JSON). On a
+shared machine a single run of each varies by 10%: ``--repeats R`` runs the configurations R
+times in turn and takes the median of each.
+Usage: python benchmarks/pipeline_static.py [--nprocs 2] [--steps 12] [--repeats 1] [--configs ddp,pipe_k1,pipe_k2,single]
+[--out results/pipeline_static.json]
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -133,6 +137,8 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--batch", type=int, default=32, help="global batch")
     parser.add_argument("--steps", type=int, default=12, help="timed steps")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each configuration, in turn (median)")
+    parser.add_argument("--configs", default=None, help="default: ddp,pipe_k1,pipe_k<N>,single")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--width", type=int, default=192)
@@ -148,33 +154,47 @@ def main() -> None:
 
     argv = [a for a in sys.argv[1:]]
     pipe = f"pipe_k{args.pipeline_length}"
-    runs = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for config in ("ddp", "pipe_k1", pipe, "single"):
-            print(f"running {config} ...", flush=True)
-            runs[config] = launch(__file__, config, 0 if config == "single" else args.nprocs, argv, tmp)
+    configs = args.configs.split(",") if args.configs else ["ddp", "pipe_k1", pipe, "single"]
+    runs: dict[str, list] = {}
+    repeats: dict[str, list[float]] = {}
+    for repeat in range(args.repeats):
+        for config in configs:
+            print(f"running {config} ({repeat + 1}/{args.repeats}) ...", flush=True)
+            with tempfile.TemporaryDirectory() as tmp:
+                runs[config] = launch(__file__, config, 0 if config == "single" else args.nprocs, argv, tmp)
+            # the slowest rank sets the pace
+            repeats.setdefault(config, []).append(min(r["samples_per_sec"] for r in runs[config]))
 
     def throughput(config: str) -> float:
-        return min(r["samples_per_sec"] for r in runs[config])  # the slowest rank sets the pace
+        return statistics.median(repeats[config])
 
     m, k = args.microbatches, args.pipeline_length
-    bubble = throughput("pipe_k1") * m / (m + k - 1)
     summary = {
         "command": " ".join([sys.executable, *sys.argv]),
         "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "result_dir")},
         "samples_per_sec": {c: throughput(c) for c in runs},
-        "pipe_k1_over_ddp": throughput("pipe_k1") / throughput("ddp"),
-        f"{pipe}_over_bubble_model": throughput(pipe) / bubble,
-        f"{pipe}_over_ddp": throughput(pipe) / throughput("ddp"),
+        "samples_per_sec_per_repeat": repeats,
         "memory_per_rank": {c: runs[c] for c in runs},
     }
+    if "ddp" in runs and "pipe_k1" in runs:
+        summary["pipe_k1_over_ddp"] = throughput("pipe_k1") / throughput("ddp")
+        pairs = [p / d for p, d in zip(repeats["pipe_k1"], repeats["ddp"])]
+        summary["pipe_k1_over_ddp_per_repeat"] = pairs
+    if pipe in runs and "pipe_k1" in runs:
+        bubble = throughput("pipe_k1") * m / (m + k - 1)
+        summary[f"{pipe}_over_bubble_model"] = throughput(pipe) / bubble
+    if pipe in runs and "ddp" in runs:
+        summary[f"{pipe}_over_ddp"] = throughput(pipe) / throughput("ddp")
     print(f"\n{'config':<10} {'samples/s':>10} {'param MB/rank':>14} {'peak RSS MB/rank':>17}")
     for config, ranks in runs.items():
         params = max(r["param_mb_held"] for r in ranks)
         rss = max(r["peak_rss_mb"] for r in ranks)
         print(f"{config:<10} {throughput(config):>10.1f} {params:>14.2f} {rss:>17.0f}")
-    print(f"\npipe_k1 / ddp: {summary['pipe_k1_over_ddp']:.3f} (target >= 1.0)")
-    print(f"{pipe} / bubble model pipe_k1*M/(M+K-1) = {bubble:.1f}: {summary[f'{pipe}_over_bubble_model']:.3f}")
+    if "pipe_k1_over_ddp" in summary:
+        per_repeat = " ".join(f"{r:.3f}" for r in summary["pipe_k1_over_ddp_per_repeat"])
+        print(f"\npipe_k1 / ddp: {summary['pipe_k1_over_ddp']:.3f} (target >= 1.0; run by run: {per_repeat})")
+    if f"{pipe}_over_bubble_model" in summary:
+        print(f"{pipe} / bubble model pipe_k1*M/(M+K-1): {summary[f'{pipe}_over_bubble_model']:.3f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=2))
     print(f"written to {args.out}")
