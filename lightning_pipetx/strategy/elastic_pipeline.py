@@ -395,7 +395,7 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if batch_idx <= 1:  # the first step of the run, and then every epoch's
-            self._require_engine().check_batches()
+            self._require_engine().check_batches(everywhere=True)
         if batch_idx == 0:
             self._autocache.begin_epoch(self.world_size)
             layout = self._require_engine().layout
@@ -497,7 +497,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         return self._require_engine().eval_step(step, args[0], args[1:], kwargs)
 
     def on_train_end(self) -> None:
-        self._require_engine().check_batches()
+        self._require_engine().check_batches(everywhere=True)
 
     def on_validation_start(self) -> None:
         self._evaluation_starts()
@@ -521,7 +521,7 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def _evaluation_ends(self) -> None:
         self._eval_metrics.exit()
-        self._require_engine().check_batches()
+        self._require_engine().check_batches(everywhere=False)  # a replica without batches skips this hook
 
     def on_predict_end(self) -> None:
         self._evaluation_ends()

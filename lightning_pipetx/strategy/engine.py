@@ -198,9 +198,10 @@ class PipelineEngine:
         finally:
             self.relay.end()
 
-    def check_batches(self) -> None:
-        """Raise if the stages of this replica read different batches since the last check."""
-        self.runner.check_batches()
+    def check_batches(self, everywhere: bool) -> None:
+        """Raise if the stages of a replica read different batches since the last check
+        (``everywhere``: on every rank, a collective)."""
+        self.runner.check_batches(everywhere)
 
     def profiled_block_seconds(self) -> list[float] | None:
         """Mean forward seconds per block over the profiled steps, agreed by every rank;

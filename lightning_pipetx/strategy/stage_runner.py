@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lightning_pipetx.strategy.fingerprint import batch_fingerprint
 from lightning_pipetx.strategy.p2p import Activation, Channel, allocate, empty_header
@@ -174,19 +175,38 @@ class StageRunner:
         self.channel.exchange(self._activation_sends(act, microbatch), [])
         self.channel.flush()
 
-    def check_batches(self) -> None:
-        """Raise if a micro-batch differed from the one the previous stage read (a host read)."""
-        mismatches, self._mismatches = self._mismatches, None
-        if mismatches is not None and int(mismatches) > 0:
-            raise BatchMismatchError(
-                f"stage {self.topology.stage} of replica {self.topology.replica} read a different batch than "
-                f"stage {self.topology.stage - 1} in {int(mismatches)} micro-batches. Every stage of a replica "
-                f"must read the same batches: a random collate_fn (for example DataCollatorForLanguageModeling's "
-                f"masking, or Mixup), an IterableDataset sharded by global rank, or Trainer("
-                f"use_distributed_sampler=False) with a sampler of your own breaks that. Make the randomness "
-                f"part of the dataset with a seed per sample, shard by `trainer.strategy.distributed_sampler_kwargs` "
-                f"(num_replicas, rank), or let Lightning inject its sampler."
-            )
+    def check_batches(self, everywhere: bool) -> None:
+        """Raise if a stage read a different batch than the stage before it since the last check.
+
+        ``everywhere``: a collective over the world that every rank calls, so that every rank
+        raises together; otherwise only the rank that saw a difference raises. One host read."""
+        mine, self._mismatches = self._mismatches, None
+        layout = self.topology.layout
+        if layout.pipeline_length == 1:
+            return
+        count = torch.zeros((), dtype=torch.int64, device=self.channel.device)
+        if mine is not None:
+            count += mine
+        if everywhere:
+            counts = [torch.empty_like(count) for _ in range(layout.world_size)]
+            dist.all_gather(counts, count)
+            found = [(rank, n) for rank, n in enumerate(torch.stack(counts).tolist()) if n > 0]
+        else:
+            found = [(self.topology.global_rank, n) for n in [int(count)] if n > 0]
+        if not found:
+            return
+        where = ", ".join(
+            f"stage {layout.coords(rank)[1]} of replica {layout.coords(rank)[0]} in {n} micro-batches"
+            for rank, n in found
+        )
+        raise BatchMismatchError(
+            f"stages read a different batch than the stage before them ({where}). Every stage of a replica "
+            f"must read the same batches: a random collate_fn (for example DataCollatorForLanguageModeling's "
+            f"masking, or Mixup), an IterableDataset sharded by global rank, or Trainer("
+            f"use_distributed_sampler=False) with a sampler of your own breaks that. Make the randomness "
+            f"part of the dataset with a seed per sample, shard by `trainer.strategy.distributed_sampler_kwargs` "
+            f"(num_replicas, rank), or let Lightning inject its sampler."
+        )
 
     # ------------------------------------------------------------ forward
     def _forward(

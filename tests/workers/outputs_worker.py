@@ -186,7 +186,7 @@ def main():
     if mode == "everywhere":
         everywhere(report)
     elif mode == "train_list":
-        trainer_for(2, max_epochs=1).fit(CollectedLosses(), loader(16, 4, 1))
+        trainer_for(2, timeout=30, max_epochs=1).fit(CollectedLosses(), loader(16, 4, 1))
     elif mode == "fail_all":
         exception = {"ValueError": ValueError, "KeyboardInterrupt": KeyboardInterrupt}[sys.argv[3]]
         model = CollectedLosses()

@@ -10,6 +10,7 @@ batches, which must end in an error.
 import json
 import os
 import sys
+from datetime import timedelta
 
 import lightning.pytorch as pl
 import torch
@@ -47,10 +48,13 @@ def main() -> None:
         "scheduled": scheduled_module,
     }.get(mode, hook_counting_module)()
     summary = SummaryAtFitStart()
+    # The refused outputs are refused on the first stage only (the last one waits for its hidden
+    # state): the ranks agree on the failure within a third of this timeout.
+    timeout = timedelta(seconds=30 if mode in ("hidden_states", "intermediates") else 1800)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=ElasticPipelineStrategy(pipeline_length=2, num_microbatches=2),
+        strategy=ElasticPipelineStrategy(pipeline_length=2, num_microbatches=2, timeout=timeout),
         plugins=[fp16_plugin()] if mode == "fp16" else None,
         use_distributed_sampler=mode != "own_sampler",
         max_steps=-1 if mode == "scheduled" else STEPS,
