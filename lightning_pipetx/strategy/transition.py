@@ -3,7 +3,10 @@
 Every replica holds identical copies of its stage's blocks and their optimizer state (the
 gradients were all-reduced before every step), so a rank that needs a block it does not
 hold can take it from any old holder. Transfers are point-to-point, in one global order
-that every rank derives from the two plans, so no rank waits on another out of turn.
+that every rank derives from the two plans: first a small description of each block's
+optimizer state (blocking, in that order, so no rank waits on another out of turn), then
+every tensor of every transfer in one batch (:func:`torch.distributed.batch_isend_irecv`),
+received straight into the parameters' storage.
 Blocks a rank no longer runs are released, with their optimizer state. A block's buffers
 (BatchNorm statistics, for example) travel with its weights.
 """
@@ -50,43 +53,45 @@ def _state_meta(state: dict[str, Any] | None, param: nn.Parameter) -> dict[str, 
 
 
 class BlockMover:
-    """Sends and receives whole blocks: weights with their optimizer state, then buffers."""
+    """Moves whole blocks (weights with their optimizer state, then buffers) in two rounds: a
+    description of each block's optimizer state, point to point in the transfers' order, then
+    every tensor of every transfer posted at once (:meth:`transfer`), so that messages in both
+    directions and to several peers are in flight together."""
 
     def __init__(self, blocks: nn.Module, optimizers: list[Optimizer], store: ParamStore, device: torch.device):
         self.blocks = blocks
         self.store = store
         self.device = device
         self._owner = {id(p): opt for opt in optimizers for group in opt.param_groups for p in group["params"]}
+        self._ops: list[dist.P2POp] = []
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, staging) after a receive
         self.bytes_received = 0
 
     def _optimizer(self, param: nn.Parameter) -> Optimizer | None:
         return self._owner.get(id(param))
 
     def send(self, block: int, dst: int) -> None:
+        """Describe ``block`` to ``dst`` now; its tensors go in :meth:`transfer`."""
         params = list(self.blocks[block].parameters())
         states = [self._optimizer(p).state.get(p) if self._optimizer(p) else None for p in params]
         dist.send_object_list([[_state_meta(s, p) for s, p in zip(states, params)]], dst=dst, device=self.device)
         for param, state in zip(params, states):
-            dist.send(param.data.to(self.device), dst=dst)
+            self._send(param.data, dst)
             for value in (state or {}).values():
                 if isinstance(value, torch.Tensor):
-                    dist.send(value.to(self.device), dst=dst)
+                    self._send(value, dst)
         for buffer in self.blocks[block].buffers():
-            dist.send(buffer.to(self.device).contiguous(), dst=dst)
-
-    def _recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        dist.recv(tensor, src=src)
-        self.bytes_received += tensor.numel() * tensor.element_size()
-        return tensor
+            self._send(buffer, dst)
 
     def recv(self, block: int, src: int) -> None:
+        """Take ``block``'s description from ``src`` and give its weights, optimizer state and
+        buffers storage to be filled by :meth:`transfer`."""
         params = list(self.blocks[block].parameters())
         message: list[Any] = [None]
         dist.recv_object_list(message, src=src, device=self.device)
         for param, meta in zip(params, message[0]):
             self.store.materialize(param)
-            buffer = self._recv(torch.empty_like(param.data, device=self.device), src)
-            param.data.copy_(buffer)
+            self._recv(param.data, src)
             optimizer = self._optimizer(param)
             if meta is None or optimizer is None:
                 continue
@@ -96,11 +101,33 @@ class BlockMover:
                     state[key] = spec[1]
                     continue
                 _, shape, dtype, on_param_device = spec
-                received = self._recv(torch.empty(shape, dtype=dtype, device=self.device), src)
-                state[key] = received.to(param.device if on_param_device else torch.device("cpu"))
+                device = param.device if on_param_device else torch.device("cpu")
+                state[key] = self._recv(torch.empty(shape, dtype=dtype, device=device), src)
             optimizer.state[param] = state
         for buffer in self.blocks[block].buffers():
-            buffer.copy_(self._recv(torch.empty_like(buffer, device=self.device), src))
+            self._recv(buffer, src)
+
+    def _send(self, tensor: torch.Tensor, dst: int) -> None:
+        self._ops.append(dist.P2POp(dist.isend, tensor.to(self.device).contiguous(), dst))
+
+    def _recv(self, target: torch.Tensor, src: int) -> torch.Tensor:
+        self.bytes_received += target.numel() * target.element_size()
+        if target.device == self.device and target.is_contiguous():
+            self._ops.append(dist.P2POp(dist.irecv, target, src))
+        else:  # a CPU scalar of the optimizer state under NCCL, for example
+            staging = torch.empty(target.shape, dtype=target.dtype, device=self.device)
+            self._ops.append(dist.P2POp(dist.irecv, staging, src))
+            self._copies.append((target, staging))
+        return target
+
+    def transfer(self) -> None:
+        """Post every send and receive described so far together, and wait for them."""
+        if self._ops:
+            for work in dist.batch_isend_irecv(self._ops):
+                work.wait()
+        for target, staging in self._copies:
+            target.copy_(staging)
+        self._ops, self._copies = [], []
 
 
 def broadcast_shared(
@@ -168,6 +195,7 @@ def move_blocks(
         elif rank == dst:
             mover.recv(block, src)
             received += 1
+    mover.transfer()
     start, end = new.bounds[new.layout.coords(rank)[1]]
     keep = range(start, end)
     store.release(keep)
