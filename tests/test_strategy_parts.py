@@ -224,7 +224,7 @@ def test_profiled_forward_times_become_the_block_costs():
 def test_a_recorded_loader_is_not_wrapped_twice():
     from torch.utils.data import DataLoader
 
-    from lightning_pipetx.strategy.dataloading import recording
+    from lightning_pipetx.autocache.sample_keys import recording
 
     loader, recorder = recording(DataLoader(list(range(10)), batch_size=4))
     again, same = recording(loader)

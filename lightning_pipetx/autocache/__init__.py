@@ -1,8 +1,9 @@
 """AutoCache: the frozen prefix's output per training sample, served instead of recomputed.
 
-:class:`AutoCache` owns keys, tiers (:mod:`.tiers`), guards (:mod:`.guards`) and
-measurements (:mod:`.stopwatch`); the engine calls it through :class:`CachedPrefix`, the
-strategy through :class:`CacheControl`.
+:class:`AutoCache` owns keys (the dataset indices of each batch, recorded by
+:mod:`.sample_keys`), tiers (:mod:`.tiers`), guards (:mod:`.guards`) and measurements
+(:mod:`.stopwatch`); the engine calls it through :class:`CachedPrefix`, the strategy through
+:class:`CacheControl`.
 """
 
 from lightning_pipetx.autocache.cache import AutoCache

@@ -1,10 +1,8 @@
-"""The training DataLoader: re-batched when the number of replicas changes, and telling
-which dataset indices each batch holds (for AutoCache)."""
+"""The training DataLoader, re-batched when the number of replicas changes (the global batch
+stays the user's), and sharded so that samples stay on their replica (:func:`stable_shards`)."""
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler
@@ -83,53 +81,3 @@ def _loading_kwargs(loader: DataLoader) -> dict[str, Any]:
             persistent_workers=loader.persistent_workers,
         )
     return kwargs
-
-
-class RecordingBatchSampler:
-    """Wraps a batch sampler and remembers the dataset indices of every batch it yields, and
-    of the one after (sampled one batch early, so that AutoCache can read it ahead).
-
-    Batches reach the training step in the order they were sampled, also with worker
-    processes and prefetching, so the step pops its batch's indices from :attr:`yielded`.
-    """
-
-    def __init__(self, batch_sampler: Any) -> None:
-        self.batch_sampler = batch_sampler
-        self.sampler = getattr(batch_sampler, "sampler", None)  # Lightning calls set_epoch on it
-        self.yielded: deque[list[int]] = deque()
-        self.ahead: list[int] | None = None  # the batch after the last one yielded
-
-    def __iter__(self) -> Iterator[list[int]]:
-        self.yielded.clear()
-        batches = iter(self.batch_sampler)
-        ahead = next(batches, None)
-        while ahead is not None:
-            current = list(ahead)
-            ahead = next(batches, None)
-            self.ahead = None if ahead is None else list(ahead)
-            self.yielded.append(current)
-            yield current
-
-    def pop(self) -> tuple[list[int] | None, list[int] | None]:
-        """The indices of the batch now trained, and of the one after it (None: unknown or none)."""
-        if not self.yielded:
-            return None, None
-        current = self.yielded.popleft()
-        return current, self.yielded[0] if self.yielded else self.ahead
-
-    def __len__(self) -> int:
-        return len(self.batch_sampler)
-
-
-def recording(loader: DataLoader) -> tuple[DataLoader, RecordingBatchSampler]:
-    """The same loader, its batch sampler now recording indices.
-
-    DataLoader forbids setting ``batch_sampler`` after construction; it is swapped in
-    place anyway so that the loader keeps every attribute (``batch_size`` included) the
-    user and Lightning see.
-    """
-    if isinstance(loader.batch_sampler, RecordingBatchSampler):  # a loader Lightning handed back unchanged
-        return loader, loader.batch_sampler
-    batch_sampler = RecordingBatchSampler(loader.batch_sampler)
-    object.__setattr__(loader, "batch_sampler", batch_sampler)
-    return loader, batch_sampler

@@ -21,6 +21,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.utils.data import DataLoader
 
 from lightning_pipetx.autocache import CacheControl
+from lightning_pipetx.autocache.sample_keys import RecordingBatchSampler, recording
 from lightning_pipetx.blocks import BlockSplit, find_blocks
 from lightning_pipetx.strategy.autodp import AutoDP, Transition, reload_dataloaders
 from lightning_pipetx.strategy.autopipe import (
@@ -35,7 +36,7 @@ from lightning_pipetx.strategy.autopipe import (
     make_plan,
 )
 from lightning_pipetx.strategy.checkpoint import atomic_save, gather_optimizer_state
-from lightning_pipetx.strategy.dataloading import RecordingBatchSampler, recording, stable_shards
+from lightning_pipetx.strategy.dataloading import stable_shards
 from lightning_pipetx.strategy.engine import PipelineEngine
 from lightning_pipetx.strategy.failure import FailureAgreement, explain_training_outputs, log_incomplete_model
 from lightning_pipetx.strategy.lightning_compat import check_lightning_internals
