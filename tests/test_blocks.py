@@ -13,6 +13,8 @@ from lightning_pipetx import BlockListNotFoundError, BlockSplit, find_blocks
 EXPECTED = {
     "bert": ("bert.encoder.layer", ["bert.embeddings"], ["dropout", "classifier", "bert.pooler"], []),
     "roberta": ("roberta.encoder.layer", ["roberta.embeddings"], ["classifier"], []),
+    # the relative position bias is computed by the encoder before the blocks, from a weight after them
+    "mpnet": ("mpnet.encoder.layer", ["mpnet.embeddings"], ["classifier", "mpnet.encoder.relative_attention_bias"], []),
     "distilbert": (
         "distilbert.transformer.layer",
         ["distilbert.embeddings"],
@@ -101,6 +103,7 @@ def test_discovery_finds_block_list_pre_and_post(name):
 
 TASK_PRE_POST = {
     "bert": (["model.bert.embeddings"], ["model.dropout", "model.classifier", "model.bert.pooler"]),
+    "mpnet": (["model.mpnet.embeddings"], ["model.classifier", "model.mpnet.encoder.relative_attention_bias"]),
     "timm_vit": (
         ["model.patch_embed", "model.pos_drop", "model.patch_drop", "model.norm_pre"],
         ["loss_fn", "model.norm", "model.fc_norm", "model.head_drop", "model.head"],

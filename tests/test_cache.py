@@ -187,12 +187,21 @@ class RelativeBiasNet(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+MODELS_WITH_AN_OUTSIDE_WEIGHT = {
+    "relative_bias_net": (RelativeBiasNet, tm.RandomVectorDataset),
+    # MPNet's relative position bias: computed by the encoder from a weight after the blocks
+    "mpnet": (lambda: tm.TinyMPNetClassifier(seed=0, dropout=0.0), tm.RandomTokenDataset),
+}
+
+
 @pytest.mark.parametrize("cache", [True, "auto"])
-def test_a_weight_the_frozen_blocks_read_from_outside_keeps_the_cache_off(tmp_path, caplog, cache):
-    data = tm.RandomVectorDataset(size=32, seed=1)
-    uncached, _, _ = fit(False, data, tmp_path, module=RelativeBiasNet())
+@pytest.mark.parametrize("model", sorted(MODELS_WITH_AN_OUTSIDE_WEIGHT))
+def test_a_weight_the_frozen_blocks_read_from_outside_keeps_the_cache_off(tmp_path, caplog, cache, model):
+    module, dataset = MODELS_WITH_AN_OUTSIDE_WEIGHT[model]
+    data = dataset(size=32, seed=1)
+    uncached, _, _ = fit(False, data, tmp_path, module=module())
     with caplog.at_level("WARNING", logger="lightning_pipetx"):
-        cached, rates, _ = fit(cache, data, tmp_path, module=RelativeBiasNet())
+        cached, rates, _ = fit(cache, data, tmp_path, module=module())
     _same(cached, uncached)
     assert all(rate in (None, 0.0) for rate in rates)
     messages = " ".join(r.message for r in caplog.records)

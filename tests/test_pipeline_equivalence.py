@@ -39,6 +39,7 @@ TWO_PROCESS_CASES = [
     _case("vit_k1_d2_1f1b", "timm_vit", 1, "1f1b"),
     _case("gpt2_k2_gpipe_clip", "gpt2", 2, "gpipe", clip=0.05),  # embedding tied to the head: stages 0 and 1
     _case("t5_k2_1f1b", "t5", 2, "1f1b", microbatches=3),  # position bias passed from block to block
+    _case("mpnet_k2_1f1b", "mpnet", 2, "1f1b", microbatches=3),  # position bias from a weight every stage uses
 ]
 FOUR_PROCESS_CASES = [
     _case("bert_k2_d2_gpipe_clip_accum", "bert", 2, "gpipe", clip=0.05, accumulate=2),

@@ -88,6 +88,26 @@ def tiny_roberta(seed: int = 0, dropout: float = 0.1, num_labels: int = NUM_LABE
     return _seeded(seed, lambda: RobertaForSequenceClassification(config))
 
 
+def tiny_mpnet(seed: int = 0, dropout: float = 0.1, num_labels: int = NUM_LABELS) -> nn.Module:
+    """MPNet: its relative position bias comes from a weight of the encoder outside the block
+    list, computed once per call and passed to every block."""
+    from transformers import MPNetConfig, MPNetForSequenceClassification
+
+    config = MPNetConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        intermediate_size=INTERMEDIATE,
+        max_position_embeddings=MAX_POSITIONS + 2,  # positions offset by pad_token_id + 1, as RoBERTa's
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        num_labels=num_labels,
+        pad_token_id=1,
+    )
+    return _seeded(seed, lambda: MPNetForSequenceClassification(config))
+
+
 def tiny_distilbert(seed: int = 0, dropout: float = 0.1, num_labels: int = NUM_LABELS) -> nn.Module:
     from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
@@ -269,6 +289,7 @@ def tiny_sequential(
 MODEL_FACTORIES: dict[str, Callable[..., nn.Module]] = {
     "bert": tiny_bert,
     "roberta": tiny_roberta,
+    "mpnet": tiny_mpnet,
     "distilbert": tiny_distilbert,
     "hf_vit": tiny_hf_vit,
     "gpt2": tiny_gpt2,
@@ -358,10 +379,18 @@ def make_loader(dataset: Dataset, batch_size: int = 8, shuffle: bool = False, se
 class TinyBertClassifier(pl.LightningModule):
     """An ordinary LightningModule around a tiny HF ``BertForSequenceClassification``."""
 
+    factory = staticmethod(tiny_bert)
+
     def __init__(self, seed: int = 0, lr: float = 1e-3, dropout: float = 0.1, num_labels: int = NUM_LABELS):
         super().__init__()
         self.save_hyperparameters()
-        self.model = tiny_bert(seed=seed, dropout=dropout, num_labels=num_labels)
+        self.model = self.factory(seed=seed, dropout=dropout, num_labels=num_labels)
+
+
+class TinyMPNetClassifier(TinyBertClassifier):
+    """The same LightningModule around a tiny HF ``MPNetForSequenceClassification``."""
+
+    factory = staticmethod(tiny_mpnet)
 
     def forward(self, batch: dict[str, torch.Tensor]):
         return self.model(**batch)
@@ -499,6 +528,7 @@ class TinyTask:
 
 TASKS: dict[str, TinyTask] = {
     "bert": TinyTask("bert", TinyBertClassifier, RandomTokenDataset, "model.bert.encoder.layer"),
+    "mpnet": TinyTask("mpnet", TinyMPNetClassifier, RandomTokenDataset, "model.mpnet.encoder.layer"),
     "timm_vit": TinyTask("timm_vit", TinyViTClassifier, RandomImageDataset, "model.blocks"),
     "gpt2": TinyTask("gpt2", TinyGPT2LM, RandomTokenDataset, "model.transformer.h"),
     "t5": TinyTask("t5", TinyT5Seq2Seq, RandomTokenDataset, "model.decoder.block"),
