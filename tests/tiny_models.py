@@ -386,12 +386,6 @@ class TinyBertClassifier(pl.LightningModule):
         self.save_hyperparameters()
         self.model = self.factory(seed=seed, dropout=dropout, num_labels=num_labels)
 
-
-class TinyMPNetClassifier(TinyBertClassifier):
-    """The same LightningModule around a tiny HF ``MPNetForSequenceClassification``."""
-
-    factory = staticmethod(tiny_mpnet)
-
     def forward(self, batch: dict[str, torch.Tensor]):
         return self.model(**batch)
 
@@ -408,6 +402,12 @@ class TinyMPNetClassifier(TinyBertClassifier):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+class TinyMPNetClassifier(TinyBertClassifier):
+    """The same LightningModule around a tiny HF ``MPNetForSequenceClassification``."""
+
+    factory = staticmethod(tiny_mpnet)
 
 
 class TinyViTClassifier(pl.LightningModule):
