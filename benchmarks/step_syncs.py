@@ -7,7 +7,8 @@ This benchmark trains a small BERT classifier (fixed-length synthetic sentences)
 ``ElasticPipelineStrategy(cache=True)`` with ``FreezeCallback(signal="grad_norm")`` on one
 device, and counts these calls in the steps of the last epoch (the prefix frozen and cached)
 with a ``TorchDispatchMode``, by the innermost caller: a module of lightning_pipetx, or
-Lightning, transformers or torch itself. On CPU the calls are the same as on a GPU, but a
+Lightning, transformers or torch itself; torch.profiler counts the same operators over the
+same epoch, every caller together, as a cross-check. On CPU the calls are the same as on a GPU, but a
 read of a host tensor (AutoCache's index bookkeeping) is no synchronisation there: the
 per-call-site table says which is which. JSON out. Example::
 
@@ -68,20 +69,32 @@ class HostReads(TorchDispatchMode):
 
 
 class LastEpoch(pl.Callback):
-    """Turns ``reads`` on for the training batches of the last epoch."""
+    """Turns ``reads`` on for the training batches of the last epoch, and runs torch.profiler
+    over the same epoch (its own count of the operators, every caller together)."""
 
     def __init__(self, reads: HostReads) -> None:
         self.reads = reads
         self.steps = 0
+        self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self.profiled: dict[str, int] = {}
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.reads.active = trainer.current_epoch == trainer.max_epochs - 1
+        if self.reads.active:
+            self.profiler.start()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.steps += int(self.reads.active)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.reads.active:
+            self.profiler.stop()
+            counts = {event.key: event.count for event in self.profiler.key_averages()}
+            self.profiled = {name: counts.get(name, 0) for name in PROFILED}
         self.reads.active = False
+
+
+PROFILED = ("aten::_local_scalar_dense", "aten::item", "aten::_to_copy")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -127,12 +140,16 @@ def main(argv: list[str] | None = None) -> dict:
         "cache_hit_rate": float(trainer.callback_metrics.get("pipetx/cache_hit_rate", float("nan"))),
         "per_step_by_caller": {site: n / steps for site, n in reads.calls.most_common()},
         "lightning_pipetx_per_step": sum(ours.values()),
+        "profiler_per_step": {name: n / steps for name, n in last_epoch.profiled.items()},
     }
     print(f"last epoch: {steps} steps, cache hit rate {result['cache_hit_rate']:.2f}")
     print("host reads (read) and copies to the host (copy) per step, by caller:")
     for site, per_step in result["per_step_by_caller"].items():
         print(f"  {per_step:6.2f}  {site}")
     print(f"lightning_pipetx's: {result['lightning_pipetx_per_step']:.2f} per step")
+    print("torch.profiler, every caller, per step (_to_copy: to any device):")
+    for name, per_step in result["profiler_per_step"].items():
+        print(f"  {per_step:6.2f}  {name}")
     write_json(args.out, result)
     return result
 
