@@ -68,6 +68,9 @@ class HostReads(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+PROFILED = ("aten::_local_scalar_dense", "aten::item", "aten::_to_copy")
+
+
 class LastEpoch(pl.Callback):
     """Turns ``reads`` on for the training batches of the last epoch, and runs torch.profiler
     over the same epoch (its own count of the operators, every caller together)."""
@@ -92,9 +95,6 @@ class LastEpoch(pl.Callback):
             counts = {event.key: event.count for event in self.profiler.key_averages()}
             self.profiled = {name: counts.get(name, 0) for name in PROFILED}
         self.reads.active = False
-
-
-PROFILED = ("aten::_local_scalar_dense", "aten::item", "aten::_to_copy")
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -69,22 +69,26 @@ def tiny_bert(seed: int = 0, dropout: float = 0.1, num_labels: int = NUM_LABELS)
     return _seeded(seed, lambda: BertForSequenceClassification(_bert_config(dropout, num_labels)))
 
 
-def tiny_roberta(seed: int = 0, dropout: float = 0.1, num_labels: int = NUM_LABELS) -> nn.Module:
-    from transformers import RobertaConfig, RobertaForSequenceClassification
-
-    config = RobertaConfig(
+def _offset_position_sizes(dropout: float, num_labels: int) -> dict:
+    """The tiny sizes for a RoBERTa-style config, whose positions start at pad_token_id + 1."""
+    return dict(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         num_hidden_layers=LAYERS,
         num_attention_heads=HEADS,
         intermediate_size=INTERMEDIATE,
-        max_position_embeddings=MAX_POSITIONS + 2,  # RoBERTa offsets positions by pad_token_id + 1
+        max_position_embeddings=MAX_POSITIONS + 2,
         hidden_dropout_prob=dropout,
         attention_probs_dropout_prob=dropout,
         num_labels=num_labels,
         pad_token_id=1,
-        attn_implementation="eager",
     )
+
+
+def tiny_roberta(seed: int = 0, dropout: float = 0.1, num_labels: int = NUM_LABELS) -> nn.Module:
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+
+    config = RobertaConfig(**_offset_position_sizes(dropout, num_labels), attn_implementation="eager")
     return _seeded(seed, lambda: RobertaForSequenceClassification(config))
 
 
@@ -93,18 +97,7 @@ def tiny_mpnet(seed: int = 0, dropout: float = 0.1, num_labels: int = NUM_LABELS
     list, computed once per call and passed to every block."""
     from transformers import MPNetConfig, MPNetForSequenceClassification
 
-    config = MPNetConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        intermediate_size=INTERMEDIATE,
-        max_position_embeddings=MAX_POSITIONS + 2,  # positions offset by pad_token_id + 1, as RoBERTa's
-        hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout,
-        num_labels=num_labels,
-        pad_token_id=1,
-    )
+    config = MPNetConfig(**_offset_position_sizes(dropout, num_labels))
     return _seeded(seed, lambda: MPNetForSequenceClassification(config))
 
 

@@ -187,12 +187,12 @@ class StageRunner:
         count = torch.zeros((), dtype=torch.int64, device=self.channel.device)
         if mine is not None:
             count += mine
+        counts = [count]
         if everywhere:
             counts = [torch.empty_like(count) for _ in range(layout.world_size)]
             dist.all_gather(counts, count)
-            found = [(rank, n) for rank, n in enumerate(torch.stack(counts).tolist()) if n > 0]
-        else:
-            found = [(self.topology.global_rank, n) for n in [int(count)] if n > 0]
+        ranks = range(layout.world_size) if everywhere else [self.topology.global_rank]
+        found = [(rank, n) for rank, n in zip(ranks, torch.stack(counts).tolist()) if n > 0]
         if not found:
             return
         where = ", ".join(
