@@ -171,3 +171,24 @@ def test_buckets_follow_the_given_order_and_caps():
         bucket.fill(0, torch.ones(10))
     bucket.install([1.0, 0.0])
     assert params[1].grad.tolist() == [3.0] * 10 and params[3].grad is None
+
+
+def test_synchronised_steps_take_turns_with_two_buffers():
+    """A step's gradients survive the next step's reduction, and no step after the second allocates."""
+    from lightning_pipetx.strategy.grad_buckets import Bucket
+
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+    bucket = Bucket(params, None, divisor=1)
+    storages = []
+    for step in range(4):
+        bucket.reset()
+        storages.append(bucket.buffer.data_ptr())
+        bucket.fill(0, torch.full((3,), float(step)))
+        bucket.fill(1, None)  # a stale slice of the reused buffer must not leak into the flags or the values
+        assert bucket.buffer[3:5].tolist() == [0.0, 0.0] and bucket.flags().tolist() == [1.0, 0.0]
+        previous = params[0].grad
+        bucket.install([1.0, 0.0])
+        if previous is not None:
+            assert previous.tolist() == [step - 1.0] * 3
+        assert params[0].grad.tolist() == [float(step)] * 3 and params[1].grad is None
+    assert storages[0] != storages[1] and storages[2] == storages[0] and storages[3] == storages[1]
