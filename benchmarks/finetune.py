@@ -81,7 +81,8 @@ def worker(args: argparse.Namespace) -> None:
                     "val_acc": float(trainer.callback_metrics["val_acc"]),
                     "frozen": self.frozen,
                     "layout": str(layout) if layout is not None else f"1x{world}",
-                    "cache_hit_rate": _metric(trainer, "pipetx/cache_hit_rate"),
+                    "cache_hit_rate": _metric(trainer, "pipetx/cache_hit_rate"),  # at the epoch's whole depth
+                    "cache_served": _served(trainer),  # at any cached depth
                 }
             )
 
@@ -125,6 +126,12 @@ def worker(args: argparse.Namespace) -> None:
 def _metric(trainer, name: str) -> float | None:
     value = trainer.callback_metrics.get(name)
     return None if value is None else float(value)
+
+
+def _served(trainer) -> float | None:
+    """The share of the epoch's samples AutoCache served, at the frozen depth or a shallower one."""
+    shares = [_metric(trainer, f"pipetx/cache_served_{tier}") for tier in ("device", "host", "disk")]
+    return None if all(s is None for s in shares) else sum(s or 0.0 for s in shares)
 
 
 def ideal_speedup(frozen_per_epoch: list[int], blocks: int, frozen_cost: float = 1 / 3, cache: bool = True) -> float:
