@@ -8,7 +8,8 @@ One run measures, on the same model, data and global batch, with ``--nprocs`` pr
   the bubble model ``pipe_k1 * M / (M + N - 1)``;
 * ``single``: one process, for the memory comparison.
 
-It prints samples/s, ratios and memory per rank, and writes them to ``--out`` (JSON). On a
+It prints samples/s, ratios, memory per rank and each step's time split at Lightning's hooks
+(``training_step``, ``backward``, the rest), and writes them to ``--out`` (JSON). On a
 shared machine a single run of each varies by 10%: ``--repeats R`` runs the configurations R
 times in turn and takes the median of each.
 Usage: python benchmarks/pipeline_static.py [--nprocs 2] [--steps 12] [--repeats 1] [--configs ddp,pipe_k1,pipe_k2,single]
@@ -82,15 +83,36 @@ def worker(args: argparse.Namespace) -> None:
         replicas = world // length
 
     class Timer(Callback):
+        """The timed steps' wall time, and each step split at Lightning's hooks: ``training_step``
+        (DDP: the forward; ElasticPipelineStrategy: forward and backward), ``backward`` (DDP: the
+        backward and its gradient wait; ours: the wait for the last buckets), and the rest
+        (optimizer step and loop), in milliseconds, medians over the timed steps."""
+
         def __init__(self) -> None:
             self.start = self.end = 0.0
+            self.marks: dict[str, float] = {}
+            self.phases: list[tuple[float, float, float]] = []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx == args.warmup:
                 self.start = time.perf_counter()
+            self.marks["start"] = time.perf_counter()
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            self.marks["backward"] = time.perf_counter()
+
+        def on_after_backward(self, trainer, pl_module):
+            self.marks["rest"] = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.end = time.perf_counter()
+            if batch_idx >= args.warmup:
+                start, backward, rest = self.marks["start"], self.marks["backward"], self.marks["rest"]
+                self.phases.append((backward - start, rest - backward, self.end - rest))
+
+        def phase_ms(self) -> dict[str, float]:
+            columns = zip(*self.phases)
+            return {n: 1000 * statistics.median(c) for n, c in zip(("training_step", "backward", "rest"), columns)}
 
     g = torch.Generator().manual_seed(0)
     total = args.batch * (args.steps + args.warmup)
@@ -124,6 +146,7 @@ def worker(args: argparse.Namespace) -> None:
         "samples_per_sec": args.batch * args.steps / (timer.end - timer.start),
         "param_mb_held": held["params"] / 2**20,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "phase_ms": timer.phase_ms(),
     }
     if args.accelerator == "gpu":
         result["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
@@ -190,6 +213,10 @@ def main() -> None:
         params = max(r["param_mb_held"] for r in ranks)
         rss = max(r["peak_rss_mb"] for r in ranks)
         print(f"{config:<10} {throughput(config):>10.1f} {params:>14.2f} {rss:>17.0f}")
+    print("\nper step, ms (the last repeat, each rank): training_step / backward / optimizer and loop")
+    for config, ranks in runs.items():
+        phases = "  ".join("{training_step:.1f} / {backward:.1f} / {rest:.1f}".format(**r["phase_ms"]) for r in ranks)
+        print(f"{config:<10} {phases}")
     if "pipe_k1_over_ddp" in summary:
         per_repeat = " ".join(f"{r:.3f}" for r in summary["pipe_k1_over_ddp_per_repeat"])
         print(f"\npipe_k1 / ddp: {summary['pipe_k1_over_ddp']:.3f} (target >= 1.0; run by run: {per_repeat})")
