@@ -26,7 +26,7 @@ install: $(VENV)/.installed
 # Lightning's DDP, then the full system starting as a 2-stage pipeline (freezing, a transition
 # to 2 replicas, AutoCache), with their accuracy and wall time side by side. About 5 minutes.
 demo: $(VENV)/.installed
-	$(PY) benchmarks/finetune.py --configs ddp,full --seeds 0 --train 1200 --val 400 --epochs 4 \
+	$(PY) benchmarks/finetune.py --configs ddp,full --seeds 0 --train 1200 --val 400 --test 400 --epochs 4 \
 		--pipeline-length 2 --report results/demo --out results/demo/finetune.json
 
 lint: $(VENV)/.installed

@@ -229,7 +229,9 @@ class SentimentDataModule(pl.LightningDataModule):
         num_samples: synthetic sentences generated in all (train + validation).
         val_fraction: share of the synthetic sentences held out for validation.
         max_train_samples: a seeded subset of the Rotten Tomatoes training split (None: all of it).
-        max_val_samples: a seeded subset of its validation and test splits (None: all of them).
+        max_val_samples: a seeded subset of its validation split (None: all of it).
+        max_test_samples: a seeded subset of its held-out test split (None: all of it; ``"val"``:
+            as many as ``max_val_samples``).
         batch_size: samples per batch, for training and validation.
         max_length: tokens per sample (Rotten Tomatoes: every snippet padded or cut to it).
         seed: seed of the synthetic sentences, of the movie split and of the subsets.
@@ -246,6 +248,7 @@ class SentimentDataModule(pl.LightningDataModule):
         val_fraction: float = 0.2,
         max_train_samples: int | None = None,
         max_val_samples: int | None = None,
+        max_test_samples: int | str | None = "val",
         batch_size: int = 32,
         max_length: int = 64,
         seed: int = 0,
@@ -276,7 +279,8 @@ class SentimentDataModule(pl.LightningDataModule):
             self.sets = {"val": samples[:num_val], "train": samples[num_val:]}
             return
         splits = split_by_movie(read_reviews(), seed=h.seed)
-        sizes = {"train": h.max_train_samples, "val": h.max_val_samples, "test": h.max_val_samples}
+        test = h.max_val_samples if h.max_test_samples == "val" else h.max_test_samples
+        sizes = {"train": h.max_train_samples, "val": h.max_val_samples, "test": test}
         self.sets = {
             name: TokenizedReviews(subset(samples, sizes[name], h.seed), self.tokenizer, h.max_length)
             for name, samples in splits.items()

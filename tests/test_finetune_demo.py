@@ -26,6 +26,7 @@ def test_the_demo_command_compares_ddp_and_the_full_system(tmp_path):
         "--seeds=0",
         "--train=64",
         "--val=32",
+        "--test=32",
         "--epochs=2",
         "--max-length=16",
         "--pipeline-length=2",
