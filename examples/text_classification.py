@@ -258,6 +258,11 @@ class SentimentDataModule(pl.LightningDataModule):
         super().__init__()
         if dataset not in ("rotten_tomatoes", "synthetic"):
             raise ValueError(f"dataset={dataset!r}: use 'rotten_tomatoes' or 'synthetic'.")
+        if not (max_test_samples in (None, "val") or (type(max_test_samples) is int and max_test_samples > 0)):
+            raise ValueError(
+                f"max_test_samples={max_test_samples!r}: use a number of samples, None (all of the test split) "
+                "or 'val' (as many as max_val_samples)."
+            )
         self.save_hyperparameters()
         self.sets: dict[str, Dataset | list] = {}
         path = model_dir(pretrained)

