@@ -12,7 +12,8 @@ split reported at the end) with the LightningModule and DataModule of
 
 Each for every ``--seeds``. Prints wall time (fit, validation included), its ratio against
 ``ddp`` and ``plain`` of the same run, the time to reach ``ddp``'s final validation accuracy,
-final and best validation accuracy and test accuracy, the ideal speed-up of the freeze
+final and best validation accuracy and test accuracy (``--seeds`` vary the initialisation and
+the shuffle; ``--split-seed`` the movies in each split), the ideal speed-up of the freeze
 schedule beside the measured one; writes JSON and a PNG of validation accuracy against wall time.
 Usage: python benchmarks/finetune.py [--small | --full] [--nprocs 2] [--seeds 0,1] [--accelerator cpu]
 [--pretrained auto | MODEL_DIR]
@@ -55,7 +56,8 @@ def worker(args: argparse.Namespace) -> None:
     callbacks: list[Callback] = []
     if config == "full":
         length = args.pipeline_length if args.pipeline_length == "auto" else int(args.pipeline_length)
-        freeze = FreezeCallback() if args.alpha is None else FreezeCallback(alpha=args.alpha)
+        options = {"alpha": args.alpha, "min_active_blocks": args.min_active_blocks}
+        freeze = FreezeCallback(**{name: value for name, value in options.items() if value is not None})
         strategy, callbacks = ElasticPipelineStrategy(pipeline_length=length), [freeze]
     elif config == "pipe":
         strategy = ElasticPipelineStrategy(pipeline_length=world, elastic=False, cache=False)
@@ -68,6 +70,7 @@ def worker(args: argparse.Namespace) -> None:
         def __init__(self) -> None:
             self.points: list[dict] = []
             self.frozen = 0
+            self.transition = None
 
         def on_fit_start(self, trainer, pl_module):
             self.start = time.perf_counter()
@@ -77,6 +80,11 @@ def worker(args: argparse.Namespace) -> None:
 
         def on_train_epoch_end(self, trainer, pl_module):
             layout = getattr(trainer.strategy, "layout", None)
+            transition = getattr(trainer.strategy, "last_transition", None)
+            if transition is self.transition:
+                transition = None
+            else:
+                self.transition = transition
             self.points.append(
                 {
                     "seconds": time.perf_counter() - self.start,
@@ -85,6 +93,8 @@ def worker(args: argparse.Namespace) -> None:
                     "layout": str(layout) if layout is not None else f"1x{world}",
                     "cache_hit_rate": _metric(trainer, "pipetx/cache_hit_rate"),  # at the epoch's whole depth
                     "cache_served": _served(trainer),  # at any cached depth
+                    "transition_seconds": None if transition is None else transition.seconds,  # after this epoch
+                    "freeze_reason": _freeze_reason(callbacks),  # the decision taken after this epoch
                 }
             )
 
@@ -114,6 +124,7 @@ def worker(args: argparse.Namespace) -> None:
         max_length=args.max_length,
         batch_size=args.batch // replicas,
         pretrained=args.pretrained,
+        seed=args.split_seed,
     )
     model = TextClassifier(lr=args.lr, pretrained=args.pretrained)
     started = time.perf_counter()
@@ -129,6 +140,11 @@ def worker(args: argparse.Namespace) -> None:
 def _metric(trainer, name: str) -> float | None:
     value = trainer.callback_metrics.get(name)
     return None if value is None else float(value)
+
+
+def _freeze_reason(callbacks) -> str | None:
+    decision = getattr(callbacks[0], "last_decision", None) if callbacks else None
+    return None if decision is None else decision.reason
 
 
 def _served(trainer) -> float | None:
@@ -166,6 +182,13 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
             if base in runs:
                 base_wall = statistics.mean(r["wall_seconds"] for r in runs[base])
                 row[f"speedup_vs_{base}"] = base_wall / row["wall_seconds"]
+        transitions = [p["transition_seconds"] for r in seeds for p in r["epochs"] if p.get("transition_seconds")]
+        if transitions:
+            row["transition_seconds"] = statistics.mean(transitions)
+            row["transitions_per_run"] = len(transitions) / len(seeds)
+            if "ddp" in runs:
+                ddp_epoch = statistics.mean(r["wall_seconds"] / len(r["epochs"]) for r in runs["ddp"])
+                row["transition_share_of_ddp_epoch"] = row["transition_seconds"] / ddp_epoch
         frozen = [p["frozen"] for p in seeds[0]["epochs"]]
         row["ideal_speedup_vs_unfrozen"] = ideal_speedup(frozen, blocks=seeds[0]["blocks"])
         row["frozen_per_epoch"] = frozen
@@ -209,6 +232,12 @@ def main() -> None:
     parser.add_argument(
         "--test", type=int, default=None, help="held-out test samples, after the timed fit (default: all, ~1,300)"
     )
+    parser.add_argument(
+        "--split-seed",
+        type=int,
+        default=0,
+        help="seed of the movie split and the subsets (0: the split the defaults were chosen on)",
+    )
     parser.add_argument("--max-length", type=int, default=None)
     parser.add_argument("--epochs", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None, help="global batch")
@@ -220,6 +249,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--alpha", type=float, default=None, help="the full system's FreezeCallback alpha (default: its own)"
+    )
+    parser.add_argument(
+        "--min-active-blocks", type=int, default=None, help="the full system's FreezeCallback min_active_blocks"
     )
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
     parser.add_argument("--precision", default="32-true")
@@ -262,6 +294,13 @@ def main() -> None:
             f"{row['best_val_acc']:>9.4f} {row['test_acc']:>9.4f}  "
             + " ".join(f"{f}/{lay}" for f, lay in zip(row["frozen_per_epoch"], row["layouts"]))
         )
+    for config, row in table.items():
+        if "transition_seconds" in row:
+            share = row.get("transition_share_of_ddp_epoch")
+            print(
+                f"{config}: {row['transitions_per_run']:g} transition(s) per run, {row['transition_seconds']:.2f} s "
+                "each on rank 0" + ("" if share is None else f", {100 * share:.1f}% of a ddp epoch")
+            )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = {"command": " ".join([sys.executable, *sys.argv]), "settings": vars(args), "table": table, "runs": runs}
