@@ -75,7 +75,9 @@ class AutoCache:
         device: torch.device | None = None,
         device_budget: int | str = "auto",
         share_host: bool = True,
+        label: str = "AutoCache",
     ) -> None:
+        self.label = label  # how log lines name this cache
         self.directory, self.spill_directory = directory, spill_directory
         self.num_samples = num_samples
         self.ram_budget = ram_budget
@@ -110,12 +112,12 @@ class AutoCache:
         """Hits may be served: paying, and the inputs passed a check."""
         return self.paying and self.guard.trusted
 
-    def disable(self, reason: str) -> None:
+    def disable(self, reason: str, warn: bool = True) -> None:
         self.enabled = False
         self._prefetched = None
-        if not self._warned:
+        if warn and not self._warned:
             self._warned = True
-            log.warning("pipetx: AutoCache switched off for this run: %s", reason)
+            log.warning("pipetx: %s switched off for this run: %s", self.label, reason)
 
     def begin_epoch(self, group_size: int) -> None:
         """Agree over every rank on what the last epoch showed (collective): a changed input
@@ -136,7 +138,9 @@ class AutoCache:
                 self.disable(CHANGED_INPUT)
             elif not self._warned:
                 self._warned = True
-                log.warning("pipetx: a sample's input changed between epochs; cache=True keeps caching it.")
+                log.warning(
+                    "pipetx: %s: a sample's input changed between epochs; cache=True keeps caching it.", self.label
+                )
         if disabled and self.enabled:
             self.disable("another rank switched it off")
         for name, flag in zip(TIER_NAMES, slow_flags):
@@ -144,7 +148,7 @@ class AutoCache:
                 # Disk is never faster than host RAM: dropping RAM drops disk too.
                 self.dropped.update(TIER_NAMES[TIER_NAMES.index(name) :] if name == "host" else (name,))
                 self._prefetched = None
-                log.info("pipetx: AutoCache stops using its %s tier: %s", name, self.watch.explain(name))
+                log.info("pipetx: %s stops using its %s tier: %s", self.label, name, self.watch.explain(name))
 
     # ------------------------------------------------------------- entries
     def _level(self, indices: torch.Tensor, depth: int) -> tuple[int, list[Tier], list[torch.Tensor]]:

@@ -26,7 +26,13 @@ def cache_directories(run_token: str, node_rank: int, spill_root: str | None) ->
 
 class CacheControl:
     """``ElasticPipelineStrategy(cache=...)``: ``"auto"`` caches when it can run exactly and
-    turns itself off otherwise; ``True`` refuses what it cannot cache; ``False`` never caches."""
+    turns itself off otherwise; ``True`` refuses what it cannot cache; ``False`` never caches.
+
+    Two caches: :attr:`cache` for the training samples and :attr:`eval_cache` for the samples
+    of the validation loader run during fit (every epoch, through the same frozen prefix).
+    The validation cache serves only while the training cache is on: a prefix whose output
+    cannot be cached in training (it still reads a trainable weight) is not cached for
+    validation either."""
 
     def __init__(self, mode: bool | str, cache_dir: str | None, ram_bytes: int, device_bytes: int | str) -> None:
         if mode not in ("auto", True, False):
@@ -40,27 +46,48 @@ class CacheControl:
         self.ram_bytes = ram_bytes
         self.device_bytes = device_bytes
         self.cache: AutoCache | None = None
+        self.eval_cache: AutoCache | None = None
         self._refusal: str | None = None
 
     def open(
         self, run_token: str, node_rank: int, num_samples: int, device: torch.device, share_host: bool
     ) -> AutoCache:
-        """The run's cache on this rank (created once)."""
+        """The run's training cache on this rank (created once)."""
         if self.cache is None:
-            ram, spill = cache_directories(run_token, node_rank, self.cache_dir)
-            self.cache = AutoCache(ram, spill, num_samples, self.ram_bytes, device, self.device_bytes, share_host)
-            self.cache.force = self.mode is True
-            if self._refusal is not None:
-                self.cache.disable(self._refusal + ".")
+            self.cache = self._new(run_token, node_rank, num_samples, device, share_host, training=True)
         return self.cache
+
+    def open_eval(
+        self, run_token: str, node_rank: int, num_samples: int, device: torch.device, share_host: bool
+    ) -> AutoCache:
+        """The run's validation cache on this rank (created once)."""
+        if self.eval_cache is None:
+            token = f"{run_token}-val"
+            self.eval_cache = self._new(token, node_rank, num_samples, device, share_host, training=False)
+        return self.eval_cache
+
+    def _new(
+        self, token: str, node_rank: int, num_samples: int, device: torch.device, share_host: bool, training: bool
+    ) -> AutoCache:
+        ram, spill = cache_directories(token, node_rank, self.cache_dir)
+        label = "AutoCache" if training else "AutoCache's validation cache"
+        cache = AutoCache(ram, spill, num_samples, self.ram_bytes, device, self.device_bytes, share_host, label)
+        cache.force = self.mode is True and training  # validation is never served a state its input outdated
+        if self._refusal is not None:
+            cache.disable(self._refusal + ".", warn=training)  # the training cache says why
+        return cache
+
+    def _caches(self) -> list[AutoCache]:
+        return [c for c in (self.cache, self.eval_cache) if c is not None]
 
     def refuse(self, reason: str, error: type[Exception], fix: str) -> None:
         """The cache cannot serve this run: an error under ``cache=True``, else off with a warning."""
         if self.mode is True:
             raise error(f"ElasticPipelineStrategy(cache=True): {reason}. {fix}")
         self._refusal = reason
-        if self.cache is not None and self.cache.enabled:
-            self.cache.disable(reason + ".")
+        for cache in self._caches():
+            if cache.enabled:
+                cache.disable(reason + ".", warn=cache is self.cache)
 
     def on_freeze(self, root: torch.nn.Module, split: BlockSplit, frozen_blocks: int) -> None:
         """Refuse a frozen prefix that still trains; free the depths no longer needed."""
@@ -74,8 +101,8 @@ class CacheControl:
                 "Pass cache=False (or cache='auto', which turns the cache off for such a model), or freeze or untie "
                 "those weights.",
             )
-        if self.cache is not None:
-            self.cache.drop_below(frozen_blocks)
+        for cache in self._caches():
+            cache.drop_below(frozen_blocks)
 
     def active(self, device: torch.device, world_size: int) -> bool:
         """Whether the cache serves the frozen prefix on every rank (a collective)."""
@@ -88,6 +115,23 @@ class CacheControl:
         if self.cache is not None:
             self.cache.begin_epoch(world_size)
 
+    def begin_validation(self, world_size: int) -> None:
+        """Before a validation run in fit (a collective where the validation cache exists): the
+        verdict on the inputs it saw, and off for good once the training cache is off."""
+        cache = self.eval_cache
+        if cache is None:
+            return
+        if cache.enabled and self.cache is not None and not self.cache.enabled:
+            cache.disable("the training cache is off.", warn=False)
+        cache.begin_epoch(world_size)
+
+    def serving_eval(self) -> AutoCache | None:
+        """The validation cache, while it and the training cache (which finds a prefix whose
+        output cannot be cached) are both on."""
+        training, cache = self.cache, self.eval_cache
+        on = cache is not None and cache.enabled and training is not None and training.enabled
+        return cache if on else None
+
     def epoch_stats(self, device: torch.device, world_size: int) -> dict[str, float]:
         """Hit rate, share and bytes served by each tier over every rank since the last call,
         and the bytes cached per tier on the fullest rank (collective)."""
@@ -97,6 +141,8 @@ class CacheControl:
         sums += [float(counts.served[n]) if counts else 0.0 for n in TIER_NAMES]
         sums += [float(counts.served_bytes[n]) if counts else 0.0 for n in TIER_NAMES]
         sums.append(float(counts.prefetched) if counts else 0.0)
+        evals = self.eval_cache.take_counts() if self.eval_cache is not None else None
+        sums += [float(evals.hits), float(evals.lookups)] if evals else [0.0, 0.0]
         sizes = [float(cache.tier_bytes(n)) if cache else 0.0 for n in TIER_NAMES]
         sums_t = torch.tensor(sums, dtype=torch.float64, device=device)
         sizes_t = torch.tensor(sizes, dtype=torch.float64, device=device)
@@ -105,16 +151,19 @@ class CacheControl:
             dist.all_reduce(sizes_t, op=dist.ReduceOp.MAX)  # the ranks of a node share the same files
         sums, sizes = sums_t.tolist(), sizes_t.tolist()
         stats = {f"cache_{name}_bytes": size for name, size in zip(("device", "ram", "disk"), sizes)}
+        eval_hits, eval_lookups = sums[-2:]
+        if eval_lookups > 0:
+            stats["val_cache_hit_rate"] = eval_hits / eval_lookups
         hits, lookups = sums[:2]
         if lookups > 0:
             stats["cache_hit_rate"] = hits / lookups
-            stats["cache_prefetched"] = sums[-1] / lookups
+            stats["cache_prefetched"] = sums[-3] / lookups
             for i, name in enumerate(TIER_NAMES):
                 stats[f"cache_served_{name}"] = sums[2 + i] / lookups
                 stats[f"cache_served_{name}_bytes"] = sums[2 + len(TIER_NAMES) + i]
         return stats
 
     def close(self, remove_files: bool) -> None:
-        if self.cache is not None:
-            self.cache.close(remove_files)
-            self.cache = None
+        for cache in self._caches():
+            cache.close(remove_files)
+        self.cache = self.eval_cache = None

@@ -1,4 +1,5 @@
-"""The keys of AutoCache: the dataset indices of each training batch, and of the one after it.
+"""The keys of AutoCache: the dataset indices of each training (and validation) batch, and of
+the one after it.
 
 The loader's batch sampler is wrapped so that it records what it yields, one batch ahead
 (AutoCache reads the next batch's states while the current one trains).
@@ -10,6 +11,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
+from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader
 
 
@@ -61,3 +63,49 @@ def recording(loader: DataLoader) -> tuple[DataLoader, RecordingBatchSampler]:
     batch_sampler = RecordingBatchSampler(loader.batch_sampler)
     object.__setattr__(loader, "batch_sampler", batch_sampler)
     return loader, batch_sampler
+
+
+class ValidationKeys:
+    """The keys of AutoCache's validation cache: the dataset indices of each batch of the
+    validation loader run during fit.
+
+    One loader is recorded: the first the strategy processes, and later loaders over the same
+    dataset object (a reload); the others are left as they are. A validation step belongs to
+    the recorded loader when its ``dataloader_idx`` is that loader's position among the loaders
+    of the run (found by :meth:`locate` when validation starts).
+    """
+
+    def __init__(self) -> None:
+        self.dataset: Any = None
+        self._recorder: RecordingBatchSampler | None = None
+        self._position: int | None = None
+
+    def record(self, loader: DataLoader) -> DataLoader:
+        """``loader``, recording its indices if it is (a reload of) the recorded loader."""
+        if self.dataset is not None and loader.dataset is not self.dataset:
+            return loader
+        loader, self._recorder = recording(loader)
+        self.dataset = loader.dataset
+        return loader
+
+    def locate(self, loaders: Any) -> None:
+        """Find the recorded loader among the run's validation ``loaders`` (``trainer.val_dataloaders``)."""
+        flat = CombinedLoader(loaders).flattened if loaders is not None else []
+        self._position = next(
+            (
+                i
+                for i, dl in enumerate(flat)
+                if self._recorder is not None and getattr(dl, "batch_sampler", None) is self._recorder
+            ),
+            None,
+        )
+
+    def pop(self, step_args: tuple) -> tuple[list[int] | None, list[int] | None]:
+        """The indices of this validation step's batch and of the next one (None: not recorded)."""
+        position = step_args[2] if len(step_args) > 2 else 0  # (batch, batch_idx[, dataloader_idx])
+        if self._recorder is None or position != self._position:
+            return None, None
+        return self._recorder.pop()
+
+    def reset(self) -> None:
+        self.dataset, self._recorder, self._position = None, None, None

@@ -21,7 +21,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.utils.data import DataLoader
 
 from lightning_pipetx.autocache import CacheControl
-from lightning_pipetx.autocache.sample_keys import RecordingBatchSampler, recording
+from lightning_pipetx.autocache.sample_keys import RecordingBatchSampler, ValidationKeys, recording
 from lightning_pipetx.blocks import BlockSplit, find_blocks
 from lightning_pipetx.strategy.autodp import AutoDP, Transition, reload_dataloaders
 from lightning_pipetx.strategy.autopipe import (
@@ -172,6 +172,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self.cache_dir = cache_dir
         self.cache_ram_bytes = cache_ram_bytes
         self._recorder: RecordingBatchSampler | None = None
+        self._validation_keys = ValidationKeys()
         self._run_token = ""
         self._transition_seconds: float | None = None
         self.last_transition: Transition | None = None  # what the last transition did on this rank
@@ -303,6 +304,7 @@ class ElasticPipelineStrategy(DDPStrategy):
             lambda: self.optimizers,
         )
         engine.cache, engine.frozen = self._autocache.cache, self._frozen
+        engine.eval_cache = self._autocache.eval_cache
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:
             engine.runner.scale_loss = scaler.scale
@@ -363,8 +365,10 @@ class ElasticPipelineStrategy(DDPStrategy):
         """Keep the global batch constant when the number of replicas changes, and record
         which samples each training batch holds (AutoCache)."""
         trainer = self.lightning_module.trainer
-        if not trainer.training or self.engine is None or not isinstance(dataloader, DataLoader):
+        if self.engine is None or not isinstance(dataloader, DataLoader):
             return dataloader
+        if not trainer.training:
+            return self._record_validation(dataloader) if trainer.state.fn == TrainerFn.FITTING else dataloader
         dataloader = self._autodp.reshard(dataloader, self.engine.layout.replicas)
         if self._stable_shards():
             dataloader = stable_shards(dataloader)
@@ -378,6 +382,19 @@ class ElasticPipelineStrategy(DDPStrategy):
                 self._run_token, self.node_rank, len(dataloader.dataset), self.root_device, first_stage_ranks > 1
             )
             self.engine.cache = cache
+        return dataloader
+
+    def _record_validation(self, dataloader: DataLoader) -> DataLoader:
+        """Record which samples each batch of the validation loader holds (AutoCache serves it too)."""
+        if self.cache is False or not _has_len(dataloader.dataset):
+            return dataloader
+        dataloader = self._validation_keys.record(dataloader)
+        if self._validation_keys.dataset is dataloader.dataset and self._autocache.eval_cache is None:
+            layout = self.engine.layout
+            first_stage_ranks = sum(layout.coords(r)[1] == 0 for r in self._node_ranks())
+            self.engine.eval_cache = self._autocache.open_eval(
+                self._run_token, self.node_rank, len(dataloader.dataset), self.root_device, first_stage_ranks > 1
+            )
         return dataloader
 
     def _stable_shards(self) -> bool:
@@ -437,10 +454,13 @@ class ElasticPipelineStrategy(DDPStrategy):
                 f"runs only some of its blocks, so the outputs of the blocks it skips would be missing. Turn {what} "
                 f"off (in the call and in the model's config), or pass ElasticPipelineStrategy(pipeline_length=1)."
             )
-        if not self.lightning_module.trainer.training or self.cache is False:
+        if self.cache is False:
             return
         reason = f"{model} was asked for {what}, which needs every block to run, and a cache hit skips the frozen ones"
-        self._autocache.refuse(reason, UnsupportedOutputsError, "Pass cache=False (or cache='auto').")
+        if self.lightning_module.trainer.training:
+            self._autocache.refuse(reason, UnsupportedOutputsError, "Pass cache=False (or cache='auto').")
+        elif self._autocache.eval_cache is not None and self._autocache.eval_cache.enabled:
+            self._autocache.eval_cache.disable(reason + ".")  # validation computes every block from now on
 
     def _require_engine(self) -> PipelineEngine:
         if self.engine is None:
@@ -483,8 +503,12 @@ class ElasticPipelineStrategy(DDPStrategy):
             self._sync_grads = True
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        engine = self._require_engine()
+        current, after = self._validation_keys.pop(args)  # AutoCache's keys, in fit
+        engine.eval_cache = self._autocache.serving_eval() if current is not None else None
+        indices, upcoming = (None if i is None else torch.tensor(i, dtype=torch.long) for i in (current, after))
         with self.precision_plugin.val_step_context():
-            return self._eval(self.lightning_module.validation_step, args, kwargs)
+            return engine.eval_step(self.lightning_module.validation_step, args[0], args[1:], kwargs, indices, upcoming)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
@@ -501,6 +525,10 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._require_engine().check_batches(everywhere=True)
 
     def on_validation_start(self) -> None:
+        trainer = self.lightning_module.trainer
+        if trainer.state.fn == TrainerFn.FITTING and self._autocache.eval_cache is not None:
+            self._autocache.begin_validation(self.world_size)  # a collective
+            self._validation_keys.locate(trainer.val_dataloaders)
         self._evaluation_starts()
 
     def on_validation_end(self) -> None:
@@ -594,11 +622,12 @@ class ElasticPipelineStrategy(DDPStrategy):
         if self._output_checks is not None:
             self._output_checks.remove()
             self._output_checks = None
-        if self._autocache.cache is not None:
+        if self._autocache.cache is not None or self._autocache.eval_cache is not None:
             if not self._failed:
                 self.barrier("pipetx-cache")  # every rank is done with the files
             self._autocache.close(remove_files=self.local_rank == 0)
             self._recorder = None
+            self._validation_keys.reset()
         if self.engine is not None:
             if self._failed:
                 self._restore_after_failure(self.engine)

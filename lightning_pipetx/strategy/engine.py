@@ -7,6 +7,7 @@ gradient synchronisation and the released block weights.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -86,6 +87,7 @@ class PipelineEngine:
         self.profile_steps = 0  # training steps still to time, after one warm-up step
         self._steps = 0
         self._prefix: CachedPrefix | None = None  # AutoCache, on the first stage only
+        self._eval_prefix: CachedPrefix | None = None  # its validation cache, on the first stage only
         self._frozen = 0
 
     @property
@@ -122,9 +124,19 @@ class PipelineEngine:
         use = cache is not None and self.topology.is_first_stage
         self._prefix = CachedPrefix(cache, self.hooks, self.device) if use else None
 
+    @property
+    def eval_cache(self) -> AutoCache | None:
+        return self._eval_prefix.cache if self._eval_prefix is not None else None
+
+    @eval_cache.setter
+    def eval_cache(self, cache: AutoCache | None) -> None:
+        if cache is not self.eval_cache:
+            use = cache is not None and self.topology.is_first_stage
+            self._eval_prefix = CachedPrefix(cache, self.hooks, self.device) if use else None
+
     def _cache_depth(self) -> int:
         """Frozen blocks whose output can be cached: those on this (first) stage."""
-        return min(self.frozen, self.block_range.stop) if self._prefix is not None else 0
+        return min(self.frozen, self.block_range.stop) if self.topology.is_first_stage else 0
 
     def train_step(
         self,
@@ -181,9 +193,31 @@ class PipelineEngine:
             return {**joined, "loss": loss}
         return loss
 
-    def eval_step(self, step: Callable[..., Any], batch: Any, args: tuple, kwargs: dict) -> Any:
+    def eval_step(
+        self,
+        step: Callable[..., Any],
+        batch: Any,
+        args: tuple,
+        kwargs: dict,
+        indices: torch.Tensor | None = None,
+        upcoming: torch.Tensor | None = None,
+    ) -> Any:
         """One evaluation step on the whole batch, run to its end on every stage: the model
-        call returns the last stage's output everywhere (see :mod:`output_relay`)."""
+        call returns the last stage's output everywhere (see :mod:`output_relay`).
+
+        ``indices``: the batch's dataset indices when :attr:`eval_cache` may serve its frozen
+        prefix (``upcoming``: the next batch's)."""
+        prefix = self._eval_prefix if indices is not None else None
+        if prefix is None:
+            return self._eval_step(step, batch, args, kwargs)
+        depth = self._cache_depth()
+        context = prefix.begin_step(batch, indices, [len(indices)], depth)
+        with context(0) if context is not None else contextlib.nullcontext():
+            output = self._eval_step(step, batch, args, kwargs)
+        prefix.end_step(upcoming, depth)
+        return output
+
+    def _eval_step(self, step: Callable[..., Any], batch: Any, args: tuple, kwargs: dict) -> Any:
         if self.layout.pipeline_length == 1:
             return step(batch, *args, **kwargs)
         self.relay.begin(batch)

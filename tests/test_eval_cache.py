@@ -1,0 +1,136 @@
+"""AutoCache serves the frozen prefix of the validation loader run during fit, exactly."""
+
+import json
+
+import lightning.pytorch as pl
+import pytest
+import tiny_models as tm
+import torch
+from distributed import run_workers
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
+
+
+class ValidationRecord(Callback):
+    """Every validation's loss; the validation cache's (hits, lookups) in it (None: not serving);
+    and its hit rate as logged at the end of every epoch (None: nothing looked up yet)."""
+
+    def __init__(self):
+        self.losses, self.served, self.rates = [], [], []
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.losses.append(float(trainer.callback_metrics["val_loss"]))
+            cache = trainer.strategy.engine.eval_cache
+            self.served.append(None if cache is None else (cache.counts.hits, cache.counts.lookups))
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        rate = trainer.callback_metrics.get("pipetx/val_cache_hit_rate")
+        self.rates.append(None if rate is None else float(rate))
+
+
+def fit(cache, tmp_path, val_data=None, module=None, epochs=4, sanity_steps=0):
+    module = module or tm.TinyBertClassifier(seed=0, dropout=0.0)
+    record = ValidationRecord()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ElasticPipelineStrategy(cache=cache, profile_steps=0, cache_dir=str(tmp_path / "spill")),
+        max_epochs=epochs,
+        callbacks=[FreezeCallback(alpha=1 / 2, signal="schedule"), record],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=sanity_steps,
+    )
+    train = DataLoader(tm.RandomTokenDataset(size=32, seed=1), batch_size=8, shuffle=True)
+    val = DataLoader(val_data or tm.RandomTokenDataset(size=24, seed=2), batch_size=8)
+    trainer.fit(module, train, val)
+    return module, record, trainer
+
+
+@pytest.mark.parametrize("sanity_steps", [0, 2])
+def test_validation_is_served_from_the_cache_with_the_same_results(tmp_path, sanity_steps):
+    uncached, plain, _ = fit(False, tmp_path, sanity_steps=sanity_steps)
+    cached, served, trainer = fit(True, tmp_path, sanity_steps=sanity_steps)
+    assert served.losses == plain.losses  # bit for bit: a hit returns the stored state
+    for key, value in uncached.state_dict().items():
+        torch.testing.assert_close(cached.state_dict()[key], value, atol=0, rtol=0, msg=key)
+    # Frozen 0, 2, 3, 3 blocks in validations 0-3: the first validation only sees the inputs,
+    # the second fills depth 2, the third reads it and runs block 2, the fourth hits depth 3.
+    assert served.served == [(0, 0), (0, 24), (0, 24), (24, 24)]
+    assert served.rates == [None, 0.0, 0.0, 1.0]
+    assert plain.served == [None] * 4 and plain.rates == [None] * 4
+    assert not list((tmp_path / "spill").glob("pipetx-*"))  # removed when fit ended
+
+
+class ChangingInputs(Dataset):
+    """Validation samples whose tokens change every time they are read."""
+
+    def __init__(self):
+        self.data = tm.RandomTokenDataset(size=24, seed=2)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        sample = dict(self.data[index])
+        sample["input_ids"] = torch.randint(2, 100, sample["input_ids"].shape)
+        return sample
+
+
+def test_validation_inputs_that_change_keep_only_the_validation_cache_off(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        _, record, trainer = fit(True, tmp_path, val_data=ChangingInputs())
+    messages = [r.message for r in caplog.records]
+    assert any("validation cache switched off" in m and "input changed" in m for m in messages)
+    assert not any(m.startswith("pipetx: AutoCache switched off") for m in messages)
+    assert record.served == [(0, 0), (0, 24), None, None]  # off once the second validation compared them
+    assert trainer.callback_metrics["pipetx/cache_hit_rate"] == 1.0  # training still cached
+
+
+class HiddenStatesInValidation(tm.TinyBertClassifier):
+    def validation_step(self, batch, batch_idx):
+        out = self.model(**batch, output_hidden_states=True)
+        self.log("val_loss", out.loss + 0 * out.hidden_states[0].sum())
+
+
+def test_validation_asking_for_every_blocks_output_is_never_served(tmp_path, caplog):
+    uncached, plain, _ = fit(False, tmp_path, module=HiddenStatesInValidation(seed=0, dropout=0.0))
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        _, record, trainer = fit("auto", tmp_path, module=HiddenStatesInValidation(seed=0, dropout=0.0))
+    assert record.losses == plain.losses
+    assert any(
+        "validation cache switched off" in r.message and "output_hidden_states" in r.message for r in caplog.records
+    )
+    assert record.served == [None] * 4
+    assert trainer.callback_metrics["pipetx/cache_hit_rate"] == 1.0
+
+
+def test_a_weight_the_frozen_blocks_read_from_outside_keeps_validation_uncached(tmp_path):
+    # MPNet's relative position bias is computed from a weight after the blocks that keeps training.
+    _, plain, _ = fit(False, tmp_path, module=tm.TinyMPNetClassifier(seed=0, dropout=0.0))
+    _, record, _ = fit("auto", tmp_path, module=tm.TinyMPNetClassifier(seed=0, dropout=0.0))
+    assert record.losses == plain.losses
+    assert all(counts is None or counts[0] == 0 for counts in record.served)
+
+
+@pytest.mark.parametrize("pipeline_length", [2, 1])
+def test_validation_on_two_processes_is_served_exactly(tmp_path, pipeline_length):
+    run_workers("eval_cache_worker.py", 2, str(tmp_path), str(pipeline_length))
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for report in ranks:
+        assert report["True"]["losses"] == report["False"]["losses"]
+        assert report["False"]["served"] == [None] * 4
+    first_stage = [r["True"] for r in ranks if r["True"]["stage"] == 0]
+    assert len(first_stage) == 3 - pipeline_length  # a 2-stage pipeline, or two replicas
+    samples = 24 // len(first_stage)  # each replica validates its shard
+    # Frozen 0, 2, 3, 3: see the inputs, fill depth 2, then on one stage read depth 2 and run block
+    # 2 before hitting depth 3; the first of two stages holds blocks 0-1 only, so it hits depth 2.
+    third = [0, samples] if pipeline_length == 1 else [samples, samples]
+    for report in first_stage:
+        assert report["served"] == [[0, 0], [0, samples], third, [samples, samples]]
+    assert not list((tmp_path / "spill").glob("pipetx-*"))
