@@ -93,6 +93,7 @@ def worker(args: argparse.Namespace) -> None:
                     "layout": str(layout) if layout is not None else f"1x{world}",
                     "cache_hit_rate": _metric(trainer, "pipetx/cache_hit_rate"),  # at the epoch's whole depth
                     "cache_served": _served(trainer),  # at any cached depth
+                    "val_cache_hit_rate": _metric(trainer, "pipetx/val_cache_hit_rate"),  # this epoch's validation
                     "transition_seconds": None if transition is None else transition.seconds,  # after this epoch
                     "freeze_reason": _freeze_reason(callbacks),  # the decision taken after this epoch
                 }
