@@ -10,7 +10,7 @@ import tiny_models as tm
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 from lightning_pipetx.autocache import AutoCache, TrainablePrefixError
@@ -75,25 +75,9 @@ def test_incremental_deepening_is_exact(tmp_path):
     assert rates == [None, 0.0, 0.0, 1.0]  # epoch 2 reads depth 2 and runs block 2 only
 
 
-class Augmented(Dataset):
-    """Token ids with a random token swapped in every time a sample is read."""
-
-    def __init__(self):
-        self.data = tm.RandomTokenDataset(size=32, seed=1)
-
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, index):
-        sample = dict(self.data[index])
-        sample["input_ids"] = sample["input_ids"].clone()
-        sample["input_ids"][1] = torch.randint(2, 100, ())
-        return sample
-
-
 def test_augmentation_switches_the_cache_off_with_a_warning(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="lightning_pipetx"):
-        _, rates, trainer = fit("auto", Augmented(), tmp_path)
+        _, rates, trainer = fit("auto", tm.AugmentedTokenDataset(size=32, seed=1), tmp_path)
     assert any("input changed between epochs" in r.message for r in caplog.records)
     assert sum("AutoCache switched off" in r.message for r in caplog.records) == 1
     assert all(rate in (None, 0.0) for rate in rates)

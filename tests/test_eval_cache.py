@@ -8,7 +8,7 @@ import tiny_models as tm
 import torch
 from distributed import run_workers
 from lightning.pytorch.callbacks import Callback
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 
@@ -67,24 +67,9 @@ def test_validation_is_served_from_the_cache_with_the_same_results(tmp_path, san
     assert not list((tmp_path / "spill").glob("pipetx-*"))  # removed when fit ended
 
 
-class ChangingInputs(Dataset):
-    """Validation samples whose tokens change every time they are read."""
-
-    def __init__(self):
-        self.data = tm.RandomTokenDataset(size=24, seed=2)
-
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, index):
-        sample = dict(self.data[index])
-        sample["input_ids"] = torch.randint(2, 100, sample["input_ids"].shape)
-        return sample
-
-
 def test_validation_inputs_that_change_keep_only_the_validation_cache_off(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="lightning_pipetx"):
-        _, record, trainer = fit(True, tmp_path, val_data=ChangingInputs())
+        _, record, trainer = fit(True, tmp_path, val_data=tm.AugmentedTokenDataset(size=24, seed=2))
     messages = [r.message for r in caplog.records]
     assert any("validation cache switched off" in m and "input changed" in m for m in messages)
     assert not any(m.startswith("pipetx: AutoCache switched off") for m in messages)

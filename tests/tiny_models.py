@@ -330,6 +330,22 @@ class RandomTokenDataset(Dataset):
         }
 
 
+class AugmentedTokenDataset(Dataset):
+    """:class:`RandomTokenDataset` with a random token swapped in every time a sample is read."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.data = RandomTokenDataset(size=size, seed=seed)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        sample = dict(self.data[index])
+        sample["input_ids"] = sample["input_ids"].clone()
+        sample["input_ids"][1] = torch.randint(2, 100, ())
+        return sample
+
+
 class RandomImageDataset(Dataset):
     """Random images ``(3, img_size, img_size)`` with a label that depends on the image."""
 
