@@ -119,3 +119,36 @@ def test_validation_on_two_processes_is_served_exactly(tmp_path, pipeline_length
     for report in first_stage:
         assert report["served"] == [[0, 0], [0, samples], third, [samples, samples]]
     assert not list((tmp_path / "spill").glob("pipetx-*"))
+
+
+class TwoValidationLoaders(tm.TinyBertClassifier):
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        self.log("val_loss", self(batch).loss)
+
+
+def test_the_first_of_two_validation_loaders_is_cached_and_both_stay_exact(tmp_path):
+    def run(cache):
+        module = TwoValidationLoaders(seed=0, dropout=0.0)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=ElasticPipelineStrategy(cache=cache, profile_steps=0, cache_dir=str(tmp_path / "spill")),
+            max_epochs=4,
+            callbacks=[FreezeCallback(alpha=1 / 2, signal="schedule")],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+        )
+        train = DataLoader(tm.RandomTokenDataset(size=32, seed=1), batch_size=8, shuffle=True)
+        vals = [
+            DataLoader(tm.RandomTokenDataset(size=size, seed=seed), batch_size=8) for size, seed in ((24, 2), (16, 3))
+        ]
+        trainer.fit(module, train, vals)
+        return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+    plain, cached = run(False), run(True)
+    for key in ("val_loss/dataloader_idx_0", "val_loss/dataloader_idx_1"):
+        assert cached[key] == plain[key]
+    assert cached["pipetx/val_cache_hit_rate"] == 1.0  # the last validation: loader 0 hit at depth 3
