@@ -10,8 +10,10 @@ micro-batches, AdamW), split into ``--nprocs`` stages, fixed shapes, on gloo (CP
   plain training loop (no Lightning).
 
 Prints samples/s of each (timed steps after warm-up, the slowest rank's) and the ratios
-ours / torch per schedule; writes JSON.
-Usage: python benchmarks/pipelining_peer.py [--nprocs 2] [--steps 12]
+ours / torch per schedule; writes JSON. On a shared 2-core machine one run of each varies by
+10%: ``--repeats R`` runs the configurations R times in turn and compares medians, with the
+ratio of every round beside it.
+Usage: python benchmarks/pipelining_peer.py [--nprocs 2] [--steps 12] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -95,6 +98,7 @@ def main() -> None:
     parser.add_argument("--img-size", type=int, default=64)
     parser.add_argument("--accelerator", default="cpu", choices=["cpu"])
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each configuration, in turn (median)")
     parser.add_argument("--out", default="results/pipelining_peer.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result-dir", help=argparse.SUPPRESS)
@@ -112,23 +116,28 @@ def main() -> None:
             )
         return
 
-    runs = {}
+    rounds: dict[str, list[float]] = {}
+    configs = args.configs.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        for config in args.configs.split(","):
-            print(f"running {config} on {args.nprocs} processes ...", flush=True)
-            runs[config] = min(r["samples_per_sec"] for r in launch(__file__, config, args.nprocs, sys.argv[1:], tmp))
-    ratios = {
-        s: runs[f"ours_{s}"] / runs[f"torch_{s}"]
-        for s in ("gpipe", "1f1b")
-        if f"ours_{s}" in runs and f"torch_{s}" in runs
-    }
-    print(f"\n{'config':<12} {'samples/s':>10}")
+        for repeat in range(args.repeats):
+            for config in configs:
+                print(f"running {config} on {args.nprocs} processes ({repeat + 1}/{args.repeats}) ...", flush=True)
+                results = launch(__file__, config, args.nprocs, sys.argv[1:], tmp)
+                rounds.setdefault(config, []).append(min(r["samples_per_sec"] for r in results))
+    runs = {config: statistics.median(rates) for config, rates in rounds.items()}
+    pairs = [s for s in ("gpipe", "1f1b") if f"ours_{s}" in runs and f"torch_{s}" in runs]
+    ratios = {s: runs[f"ours_{s}"] / runs[f"torch_{s}"] for s in pairs}
+    per_round = {s: [o / t for o, t in zip(rounds[f"ours_{s}"], rounds[f"torch_{s}"])] for s in pairs}
+    print(f"\n{'config':<12} {'samples/s':>10}  (median of {args.repeats}; each round)")
     for config, rate in runs.items():
-        print(f"{config:<12} {rate:>10.1f}")
+        print(f"{config:<12} {rate:>10.1f}  " + " ".join(f"{r:.1f}" for r in rounds[config]))
     for schedule, ratio in ratios.items():
-        print(f"ours / torch.distributed.pipelining, {schedule}: {ratio:.3f} (target >= 1.0)")
+        each = " ".join(f"{r:.3f}" for r in per_round[schedule])
+        print(f"ours / torch.distributed.pipelining, {schedule}: {ratio:.3f} (target >= 1.0); each round: {each}")
     summary = {"command": " ".join([sys.executable, *sys.argv]), "settings": vars(args), "samples_per_sec": runs}
+    summary["samples_per_sec_per_round"] = rounds
     summary["ours_over_torch"] = ratios
+    summary["ours_over_torch_per_round"] = per_round
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=2, default=str))
     print(f"written to {args.out}")
