@@ -22,7 +22,7 @@ class ValidationRecord(Callback):
 
     def on_validation_epoch_end(self, trainer, pl_module):
         if not trainer.sanity_checking:
-            self.losses.append(float(trainer.callback_metrics["val_loss"]))
+            self.losses.append(float(trainer.callback_metrics.get("val_loss", float("nan"))))
             cache = trainer.strategy.engine.eval_cache
             self.served.append(None if cache is None else (cache.counts.hits, cache.counts.lookups))
 
@@ -31,7 +31,7 @@ class ValidationRecord(Callback):
         self.rates.append(None if rate is None else float(rate))
 
 
-def fit(cache, tmp_path, val_data=None, module=None, epochs=4, sanity_steps=0):
+def fit(cache, tmp_path, val_data=None, module=None, epochs=4, sanity_steps=0, val_loaders=None):
     module = module or tm.TinyBertClassifier(seed=0, dropout=0.0)
     record = ValidationRecord()
     trainer = pl.Trainer(
@@ -47,7 +47,7 @@ def fit(cache, tmp_path, val_data=None, module=None, epochs=4, sanity_steps=0):
         num_sanity_val_steps=sanity_steps,
     )
     train = DataLoader(tm.RandomTokenDataset(size=32, seed=1), batch_size=8, shuffle=True)
-    val = DataLoader(val_data or tm.RandomTokenDataset(size=24, seed=2), batch_size=8)
+    val = val_loaders or DataLoader(val_data or tm.RandomTokenDataset(size=24, seed=2), batch_size=8)
     trainer.fit(module, train, val)
     return module, record, trainer
 
@@ -128,24 +128,9 @@ class TwoValidationLoaders(tm.TinyBertClassifier):
 
 def test_the_first_of_two_validation_loaders_is_cached_and_both_stay_exact(tmp_path):
     def run(cache):
-        module = TwoValidationLoaders(seed=0, dropout=0.0)
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=1,
-            strategy=ElasticPipelineStrategy(cache=cache, profile_steps=0, cache_dir=str(tmp_path / "spill")),
-            max_epochs=4,
-            callbacks=[FreezeCallback(alpha=1 / 2, signal="schedule")],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-        )
-        train = DataLoader(tm.RandomTokenDataset(size=32, seed=1), batch_size=8, shuffle=True)
-        vals = [
-            DataLoader(tm.RandomTokenDataset(size=size, seed=seed), batch_size=8) for size, seed in ((24, 2), (16, 3))
-        ]
-        trainer.fit(module, train, vals)
+        datasets = [tm.RandomTokenDataset(size=24, seed=2), tm.RandomTokenDataset(size=16, seed=3)]
+        loaders = [DataLoader(data, batch_size=8) for data in datasets]
+        _, _, trainer = fit(cache, tmp_path, module=TwoValidationLoaders(seed=0, dropout=0.0), val_loaders=loaders)
         return {k: float(v) for k, v in trainer.callback_metrics.items()}
 
     plain, cached = run(False), run(True)
