@@ -89,6 +89,12 @@ class CacheControl:
             if cache.enabled:
                 cache.disable(reason + ".", warn=cache is self.cache)
 
+    def refuse_validation(self, reason: str) -> None:
+        """The validation cache cannot serve this run: off with a warning; validation computes
+        every block from now on (training keeps its cache)."""
+        if self.eval_cache is not None and self.eval_cache.enabled:
+            self.eval_cache.disable(reason + ".")
+
     def on_freeze(self, root: torch.nn.Module, split: BlockSplit, frozen_blocks: int) -> None:
         """Refuse a frozen prefix that still trains; free the depths no longer needed."""
         if self.mode is False:

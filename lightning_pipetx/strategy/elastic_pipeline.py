@@ -304,7 +304,6 @@ class ElasticPipelineStrategy(DDPStrategy):
             lambda: self.optimizers,
         )
         engine.cache, engine.frozen = self._autocache.cache, self._frozen
-        engine.eval_cache = self._autocache.eval_cache
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:
             engine.runner.scale_loss = scaler.scale
@@ -376,10 +375,8 @@ class ElasticPipelineStrategy(DDPStrategy):
             return dataloader
         dataloader, self._recorder = recording(dataloader)
         if self._autocache.cache is None:
-            layout = self.engine.layout
-            first_stage_ranks = sum(layout.coords(r)[1] == 0 for r in self._node_ranks())
             cache = self._autocache.open(
-                self._run_token, self.node_rank, len(dataloader.dataset), self.root_device, first_stage_ranks > 1
+                self._run_token, self.node_rank, len(dataloader.dataset), self.root_device, self._share_host()
             )
             self.engine.cache = cache
         return dataloader
@@ -389,13 +386,16 @@ class ElasticPipelineStrategy(DDPStrategy):
         if self.cache is False or not _has_len(dataloader.dataset):
             return dataloader
         dataloader = self._validation_keys.record(dataloader)
-        if self._validation_keys.dataset is dataloader.dataset and self._autocache.eval_cache is None:
-            layout = self.engine.layout
-            first_stage_ranks = sum(layout.coords(r)[1] == 0 for r in self._node_ranks())
-            self.engine.eval_cache = self._autocache.open_eval(
-                self._run_token, self.node_rank, len(dataloader.dataset), self.root_device, first_stage_ranks > 1
+        if self._validation_keys.dataset is dataloader.dataset:  # recorded: validation_step hands it to the engine
+            self._autocache.open_eval(
+                self._run_token, self.node_rank, len(dataloader.dataset), self.root_device, self._share_host()
             )
         return dataloader
+
+    def _share_host(self) -> bool:
+        """Whether several first-stage ranks of this node read a cache's host tier."""
+        layout = self._require_engine().layout
+        return sum(layout.coords(r)[1] == 0 for r in self._node_ranks()) > 1
 
     def _stable_shards(self) -> bool:
         if self.sampler == "auto":
@@ -459,8 +459,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         reason = f"{model} was asked for {what}, which needs every block to run, and a cache hit skips the frozen ones"
         if self.lightning_module.trainer.training:
             self._autocache.refuse(reason, UnsupportedOutputsError, "Pass cache=False (or cache='auto').")
-        elif self._autocache.eval_cache is not None and self._autocache.eval_cache.enabled:
-            self._autocache.eval_cache.disable(reason + ".")  # validation computes every block from now on
+        else:
+            self._autocache.refuse_validation(reason)
 
     def _require_engine(self) -> PipelineEngine:
         if self.engine is None:
