@@ -11,6 +11,7 @@ from tiny_models import build_model
 from lightning_pipetx import Layout, find_blocks
 from lightning_pipetx.strategy.autopipe import (
     FROZEN_TIME,
+    AutoPipe,
     ModelMemory,
     choose_initial_plan,
     choose_plan,
@@ -137,6 +138,24 @@ def test_a_model_that_does_not_fit_gets_the_shortest_pipeline_that_does():
     # Nothing fits: the layout needing the least memory; never more stages than allowed.
     assert choose_initial_plan([1.0] * 8, memory, 8, 8, budget_bytes=1.0)[0].layout == Layout(8, 1)
     assert choose_initial_plan([1.0] * 8, memory, 8, 4, budget_bytes=1.0)[0].layout == Layout(4, 2)
+
+
+def test_the_planner_starts_within_its_budget_and_takes_the_profile_once():
+    split = find_blocks(build_model("sequential"))  # 37,896 bytes on the larger of two stages, 74,016 on one
+    asked = []
+    planner = AutoPipe("auto", num_microbatches="auto")
+    plan, why = planner.start(split, 2, 2, budget=lambda: asked.append(1) or 100_000.0, profile=True)
+    assert plan.layout == Layout(2, 1) and planner.initial_length == 2 and asked == [1]
+    assert why.startswith("layout 2x1: the fastest predicted")
+    counts = list(planner.costs)
+    assert planner.take_profile(lambda: None) is None and planner.costs == counts  # nothing timed: counts stay
+    assert planner.take_profile(lambda: [1.0, 2.0, 3.0, 4.0]) is None  # one profile per run, at the first freeze
+    assert planner.costs == counts
+    planner = AutoPipe(2, num_microbatches=3)
+    plan, why = planner.start(split, 2, 2, budget=lambda: pytest.fail("a fixed length needs no budget"), profile=True)
+    assert why is None and plan.layout == Layout(2, 1) and plan.num_microbatches == 3
+    assert planner.take_profile(lambda: [1.0, 1.0, 1.0, 5.0]) == [1.0, 1.0, 1.0, 5.0]
+    assert plan.bounds == ((0, 2), (2, 4)) and planner.plan(0, 2).bounds == ((0, 3), (3, 4))  # the profiled costs
 
 
 def test_the_strategy_chooses_its_initial_layout_by_memory(tmp_path):

@@ -8,7 +8,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
-from lightning_pipetx.autocache import AutoCache, CacheControl
+from lightning_pipetx.autocache import AutoCache, CacheControl, CacheFeed, CacheSite
 from lightning_pipetx.strategy.p2p import Activation
 
 ROW_BYTES = tm.SEQ_LEN * tm.HIDDEN * 4  # one sample's hidden state, float32
@@ -93,6 +93,46 @@ def test_a_tier_measured_slower_than_the_prefix_is_dropped_and_autopipe_stops_co
     assert not cache.serving and cache.lookup(torch.arange(4), 2)[1] is None
     assert not control.active(torch.device("cpu"), world_size=1)  # AutoPipe costs the prefix again
     control.close(remove_files=True)
+
+
+def test_the_feed_records_the_loaders_opens_each_cache_once_and_hands_out_keys(tmp_path):
+    site = CacheSite("run", 0, torch.device("cpu"), share_host=False)
+    feed = CacheFeed(CacheControl("auto", str(tmp_path), ram_bytes=2**20, device_bytes=0))
+    train, opened = feed.training_loader(DataLoader(list(range(6)), batch_size=4), site)
+    assert opened is feed.control.cache and opened.num_samples == 6
+    assert feed.training_loader(train, site) == (train, None)  # a reload: recorded, the cache stays
+    assert [b.tolist() for b in train] == [[0, 1, 2, 3], [4, 5]]
+    current, upcoming = feed.training_keys()
+    assert current.tolist() == [0, 1, 2, 3] and upcoming.tolist() == [4, 5]
+    val = feed.validation_loader(DataLoader(list(range(10, 13)), batch_size=2), site)
+    other = DataLoader(list(range(3)), batch_size=2)
+    assert feed.validation_loader(other, site) is other  # a second validation loader is not recorded
+    assert feed.control.eval_cache.num_samples == 3
+    feed.begin_validation([val, other], world_size=1)
+    list(val)
+    assert feed.validation_keys((None, 0, 1)) == (None, None, None)  # the second loader's step
+    cache, current, upcoming = feed.validation_keys((None, 0))
+    assert cache is feed.control.eval_cache and current.tolist() == [0, 1] and upcoming.tolist() == [2]
+    assert feed.open
+    feed.close(remove_files=True)
+    assert not feed.open and feed.training_keys() == (None, None)
+
+
+def test_the_feed_leaves_alone_what_it_cannot_cache(tmp_path):
+    site = CacheSite("run", 0, torch.device("cpu"), share_host=False)
+    endless = DataLoader(_Endless(), batch_size=2)
+    feed = CacheFeed(CacheControl("auto", str(tmp_path), ram_bytes=2**20, device_bytes=0))
+    assert feed.training_loader(endless, site) == (endless, None) and not feed.open
+    off = CacheFeed(CacheControl(False, str(tmp_path), ram_bytes=2**20, device_bytes=0))
+    loader = DataLoader(list(range(4)), batch_size=2)
+    assert off.training_loader(loader, site) == (loader, None) and off.validation_loader(loader, site) is loader
+    assert not off.open and off.training_keys() == (None, None)
+
+
+class _Endless(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        while True:
+            yield torch.zeros(1)
 
 
 class Stats(Callback):

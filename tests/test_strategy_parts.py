@@ -7,11 +7,11 @@ from collections import namedtuple
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.fabric.plugins.environments import LightningEnvironment
 from tiny_models import build_model, build_task, task_loader
 from transformers import BatchEncoding
 
 from lightning_pipetx import ElasticPipelineStrategy, Layout, find_blocks
+from lightning_pipetx.strategy.autopipe import AutoPipe
 from lightning_pipetx.strategy.microbatch import BatchSplitError, chunk, join_outputs, split_batch, take
 from lightning_pipetx.strategy.partition import partition, stage_costs
 from lightning_pipetx.strategy.stage_runner import schedule_actions
@@ -159,12 +159,9 @@ def test_invalid_arguments_are_refused(kwargs, match):
 
 
 def test_more_stages_than_blocks_is_refused():
-    environment = LightningEnvironment()
-    environment.set_world_size(8)
-    strategy = ElasticPipelineStrategy(pipeline_length=8, cluster_environment=environment)
     split = find_blocks(build_model("sequential"))
     with pytest.raises(ValueError, match="at most 4"):
-        strategy._initial_length(split)
+        AutoPipe(pipeline_length=8, num_microbatches="auto").start(split, 8, 8, budget=lambda: 2.0**40, profile=False)
 
 
 def test_a_world_the_pipeline_length_does_not_divide_is_refused():
@@ -217,8 +214,9 @@ def test_profiled_forward_times_become_the_block_costs():
     )
     param_counts = [float(sum(p.numel() for p in block.parameters())) for block in model.model.blocks]
     trainer.fit(model, task_loader("sequential"))
-    assert len(strategy._costs) == 4 and strategy._costs != param_counts
-    assert all(0 < seconds < 1 for seconds in strategy._costs)  # seconds per forward, not parameter counts
+    costs = strategy.autopipe.costs
+    assert len(costs) == 4 and costs != param_counts
+    assert all(0 < seconds < 1 for seconds in costs)  # seconds per forward, not parameter counts
 
 
 def test_a_recorded_loader_is_not_wrapped_twice():

@@ -3,12 +3,22 @@
 :class:`AutoCache` owns keys (the dataset indices of each batch, recorded by
 :mod:`.sample_keys`), tiers (:mod:`.tiers`), guards (:mod:`.guards`) and measurements
 (:mod:`.stopwatch`); the engine calls it through :class:`CachedPrefix`, the strategy through
-:class:`CacheControl`.
+:class:`CacheControl` (when to open, refuse and report) and :class:`CacheFeed` (the loaders
+that feed it, and each step's keys).
 """
 
 from lightning_pipetx.autocache.cache import AutoCache
 from lightning_pipetx.autocache.control import CacheControl, cache_directories
+from lightning_pipetx.autocache.feed import CacheFeed, CacheSite
 from lightning_pipetx.autocache.guards import TrainablePrefixError
 from lightning_pipetx.autocache.prefix import CachedPrefix
 
-__all__ = ["AutoCache", "CacheControl", "CachedPrefix", "TrainablePrefixError", "cache_directories"]
+__all__ = [
+    "AutoCache",
+    "CacheControl",
+    "CacheFeed",
+    "CacheSite",
+    "CachedPrefix",
+    "TrainablePrefixError",
+    "cache_directories",
+]

@@ -47,6 +47,12 @@ class Transition:
     blocks_received: int
     bytes_received: int
 
+    def describe(self) -> str:
+        return (
+            f"layout {self.old_layout} -> {self.new_layout}, {self.seconds:.1f} s, "
+            f"{self.bytes_received / 2**20:.1f} MiB received"
+        )
+
 
 class AutoDP:
     """Owns transitions between layouts, and the global batch they keep.

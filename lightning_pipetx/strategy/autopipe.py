@@ -268,3 +268,78 @@ def explain_choice(chosen: Plan, candidates: Sequence[Candidate], budget_bytes: 
         f"{limit / 2**30:.2f} GiB ({1 - ACTIVATION_SHARE:.0%} of {budget_bytes / 2**30:.2f} GiB per device, the rest "
         f"kept for activations). Candidates (GiB per device, throughput relative to the choice): {rows}"
     )
+
+
+class AutoPipe:
+    """One run's layout planner: the block costs, the first pipeline length, and the plan
+    for each frozen prefix.
+
+    Costs start as parameter counts; with ``profile`` the forward seconds per block measured
+    before the first freeze replace them there (:meth:`take_profile`).
+
+    Args:
+        pipeline_length: stages to start with, or ``"auto"`` (chosen within a memory budget).
+        num_microbatches: micro-batches per batch, or ``"auto"``.
+    """
+
+    def __init__(self, pipeline_length: int | str, num_microbatches: int | str) -> None:
+        self.pipeline_length = pipeline_length
+        self.microbatches = None if num_microbatches == "auto" else num_microbatches
+        self.costs: list[float] = []
+        self.initial_length = 1
+        self._awaiting_profile = False
+
+    def start(
+        self,
+        split: BlockSplit,
+        world_size: int,
+        max_length: int,
+        budget: Callable[[], float],
+        profile: bool,
+    ) -> tuple[Plan, str | None]:
+        """Plan the run's start: costs from parameter counts, the first pipeline length (at most
+        ``max_length`` stages under ``"auto"``, whose stages must fit ``budget()`` bytes per device),
+        and the plan with nothing frozen; with it, under ``"auto"``, a line on why."""
+        self.costs = block_costs(split)
+        self._awaiting_profile = profile
+        why = None
+        if self.pipeline_length == "auto":
+            bytes_per_device = budget()
+            plan, candidates = choose_initial_plan(
+                self.costs, ModelMemory.of(split), world_size, max_length, bytes_per_device, self.microbatches
+            )
+            self.initial_length = plan.layout.pipeline_length
+            why = explain_choice(plan, candidates, bytes_per_device)
+        else:
+            Layout.for_world(world_size, self.pipeline_length)  # refuses a length that does not divide the world
+            if self.pipeline_length > split.num_blocks:
+                raise ValueError(
+                    f"ElasticPipelineStrategy(pipeline_length={self.pipeline_length}) is more stages than the "
+                    f"{split.num_blocks} blocks of {split.path!r}: use a pipeline_length of at most "
+                    f"{split.num_blocks}."
+                )
+            self.initial_length = self.pipeline_length
+        return self.plan(0, world_size), why
+
+    def take_profile(self, seconds: Callable[[], list[float] | None]) -> list[float] | None:
+        """At the first freeze (on every rank: ``seconds`` may be a collective): the profiled
+        forward seconds per block become the costs. Returns them when they did."""
+        if not self._awaiting_profile:
+            return None
+        self._awaiting_profile = False
+        profiled = seconds()
+        if profiled is not None:
+            self.costs = profiled
+        return profiled
+
+    def plan(
+        self,
+        frozen: int,
+        world_size: int,
+        accept: Callable[[Layout], bool] | None = None,
+        frozen_time: float = FROZEN_TIME,
+    ) -> Plan:
+        """The plan for ``frozen`` leading blocks (see :func:`choose_plan`)."""
+        if frozen == 0:
+            return make_plan(self.costs, 0, world_size, self.initial_length, self.microbatches)
+        return choose_plan(self.costs, frozen, world_size, self.initial_length, self.microbatches, accept, frozen_time)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-import zlib
 from collections.abc import Generator
 from typing import Any
 
@@ -15,31 +14,23 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.distributed import ReduceOp
 from torch.distributed.constants import default_pg_timeout
 from torch.utils.data import DataLoader
 
-from lightning_pipetx.autocache import CacheControl
-from lightning_pipetx.autocache.sample_keys import RecordingBatchSampler, ValidationKeys, recording
+from lightning_pipetx.autocache import CacheControl, CacheFeed, CacheSite
 from lightning_pipetx.blocks import BlockSplit, find_blocks
 from lightning_pipetx.strategy.autodp import AutoDP, Transition, reload_dataloaders
-from lightning_pipetx.strategy.autopipe import (
-    FROZEN_TIME,
-    ModelMemory,
-    Plan,
-    block_costs,
-    choose_initial_plan,
-    choose_plan,
-    device_memory,
-    explain_choice,
-    make_plan,
-)
+from lightning_pipetx.strategy.autopipe import FROZEN_TIME, AutoPipe, Plan, device_memory
 from lightning_pipetx.strategy.checkpoint import atomic_save, gather_optimizer_state
 from lightning_pipetx.strategy.dataloading import stable_shards
 from lightning_pipetx.strategy.engine import PipelineEngine
-from lightning_pipetx.strategy.failure import FailureAgreement, explain_training_outputs, log_incomplete_model
-from lightning_pipetx.strategy.lightning_compat import check_lightning_internals
+from lightning_pipetx.strategy.failure import FailureAgreement, explain_training_outputs, restore_after_failure
+from lightning_pipetx.strategy.lightning_compat import (
+    check_lightning_internals,
+    clip_norm_over_stages,
+    restore_clipping,
+)
 from lightning_pipetx.strategy.loss_scaling import agreeing_scaler
 from lightning_pipetx.strategy.model_checks import CollectedOutputChecks, UnsupportedOutputsError
 from lightning_pipetx.strategy.output_relay import EvalMetricGroups
@@ -52,14 +43,6 @@ from lightning_pipetx.strategy.transition import drop_optimizer_state
 log = logging.getLogger("lightning_pipetx")
 
 SAMPLERS = ("auto", "distributed", "stable")
-
-
-def _has_len(dataset: Any) -> bool:
-    try:
-        len(dataset)
-    except TypeError:
-        return False
-    return True
 
 
 def _positive_or_auto(name: str, value: Any) -> None:
@@ -164,15 +147,13 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._layout0: Layout | None = None
         self._sync_grads = True
         self._failed = False
-        self._costs: list[float] = []
-        self._length0 = 1
+        self.autopipe: AutoPipe | None = None  # the run's layout planner, from setup
         self._frozen = 0
         self._store: ParamStore | None = None
         self._autodp = AutoDP(keep_global_batch)
         self.cache_dir = cache_dir
         self.cache_ram_bytes = cache_ram_bytes
-        self._recorder: RecordingBatchSampler | None = None
-        self._validation_keys = ValidationKeys()
+        self._cache_feed = CacheFeed(self._autocache)
         self._run_token = ""
         self._transition_seconds: float | None = None
         self.last_transition: Transition | None = None  # what the last transition did on this rank
@@ -197,26 +178,6 @@ class ElasticPipelineStrategy(DDPStrategy):
     def layout(self) -> Layout:
         return self._require_engine().layout
 
-    def _initial_length(self, split: BlockSplit) -> int:
-        world = self.world_size
-        if self.pipeline_length == "auto":
-            per_node = max(1, world // max(1, self.num_nodes))
-            microbatches = None if self.num_microbatches == "auto" else self.num_microbatches
-            budget = self._memory_budget()
-            plan, candidates = choose_initial_plan(
-                self._costs, ModelMemory.of(split), world, min(per_node, split.num_blocks), budget, microbatches
-            )
-            if self.is_global_zero:
-                log.info("pipetx: pipeline_length='auto': %s", explain_choice(plan, candidates, budget))
-            return plan.layout.pipeline_length
-        Layout.for_world(world, self.pipeline_length)  # refuses a length that does not divide the world
-        if self.pipeline_length > split.num_blocks:
-            raise ValueError(
-                f"ElasticPipelineStrategy(pipeline_length={self.pipeline_length}) is more stages than the "
-                f"{split.num_blocks} blocks of {split.path!r}: use a pipeline_length of at most {split.num_blocks}."
-            )
-        return self.pipeline_length
-
     def _memory_budget(self) -> float:
         """Bytes per device for the initial layout, the smallest over all ranks."""
         budget = self.memory_budget or device_memory(self.root_device, self.num_processes)
@@ -227,13 +188,27 @@ class ElasticPipelineStrategy(DDPStrategy):
         return budget
 
     def _plan(self, frozen: int) -> Plan:
-        microbatches = None if self.num_microbatches == "auto" else self.num_microbatches
         if frozen == 0:
-            return make_plan(self._costs, 0, self.world_size, self._length0, microbatches)
-        accept = self._autodp.accepts
+            return self._require_autopipe().plan(0, self.world_size)
         # A cached frozen prefix costs nothing; computed, it costs its forward pass.
         frozen_time = 0.0 if self._autocache.active(self.root_device, self.world_size) else FROZEN_TIME
-        return choose_plan(self._costs, frozen, self.world_size, self._length0, microbatches, accept, frozen_time)
+        return self._require_autopipe().plan(frozen, self.world_size, self._autodp.accepts, frozen_time)
+
+    def _start_plan(self, split: BlockSplit) -> Plan:
+        """The run's planner and its plan with nothing frozen (logged on global rank 0)."""
+        self.autopipe = AutoPipe(self.pipeline_length, self.num_microbatches)
+        per_node = max(1, self.world_size // max(1, self.num_nodes))
+        plan, why = self.autopipe.start(
+            split, self.world_size, min(per_node, split.num_blocks), self._memory_budget, self.profile_steps > 0
+        )
+        if why is not None and self.is_global_zero:
+            log.info("pipetx: pipeline_length='auto': %s", why)
+        return plan
+
+    def _require_autopipe(self) -> AutoPipe:
+        if self.autopipe is None:
+            raise RuntimeError("ElasticPipelineStrategy is not set up: run it through a Trainer.")
+        return self.autopipe
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -254,16 +229,13 @@ class ElasticPipelineStrategy(DDPStrategy):
         self.model_to_device()
         self._broadcast_module_state()
         self._split = find_blocks(self.lightning_module, self.blocks)
-        self._costs = block_costs(self._split)
-        self._length0 = self._initial_length(self._split)
         self._store = ParamStore(self._split.blocks)
         self._frozen = 0
         self._autodp.reset()
-        self._profiled = self.profile_steps == 0
         self._run_token = self.broadcast(uuid.uuid4().hex[:12] if self.is_global_zero else None)
         self._failed = False
         self._agreement = FailureAgreement(self.world_size, self.timeout)
-        plan = self._plan(0)
+        plan = self._start_plan(self._split)
         # configure_optimizers may build the training DataLoader (trainer.estimated_stepping_batches,
         # for an LR schedule): its sampler must already shard by replica, not by rank.
         self._layout0 = plan.layout
@@ -276,7 +248,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         reload_dataloaders(trainer)
         self.engine.profile_steps = self.profile_steps
         drop_optimizer_state(self._split.blocks, self.optimizers, self.engine.block_range)
-        self._patch_gradient_clipping()
+        clip_norm_over_stages(self.precision_plugin, lambda norm: self._require_engine().grad_sync.clip_by_norm(norm))
         self._output_checks = CollectedOutputChecks(self.lightning_module, self._refuse_collected_outputs)
         self._output_checks.install()
         self.setup_precision_plugin()
@@ -325,13 +297,9 @@ class ElasticPipelineStrategy(DDPStrategy):
         if not self.elastic:
             self._frozen = frozen_blocks
             return  # the ablation: blocks freeze in place, the layout stays
-        if not self._profiled:
-            self._profiled = True
-            seconds = engine.profiled_block_seconds()
-            if seconds is not None:
-                self._costs = seconds
-                if self.is_global_zero:
-                    log.info("pipetx: block costs from profiled forward time: %s", [f"{s:.2e}" for s in seconds])
+        seconds = self._require_autopipe().take_profile(engine.profiled_block_seconds)
+        if seconds is not None and self.is_global_zero:
+            log.info("pipetx: block costs from profiled forward time: %s", [f"{s:.2e}" for s in seconds])
         previous, self._frozen = self._frozen, frozen_blocks
         new_plan = self._plan(frozen_blocks)
         if new_plan.same_layout(engine.plan):
@@ -350,52 +318,30 @@ class ElasticPipelineStrategy(DDPStrategy):
         self.last_transition = done
         self._transition_seconds = done.seconds
         if self.is_global_zero:
-            log.info(
-                "pipetx: frozen %d->%d blocks, layout %s -> %s, %.1f s, %.1f MiB received by rank 0",
-                previous,
-                frozen_blocks,
-                done.old_layout,
-                done.new_layout,
-                done.seconds,
-                done.bytes_received / 2**20,
-            )
+            log.info("pipetx: frozen %d->%d blocks, %s by rank 0", previous, frozen_blocks, done.describe())
 
     def process_dataloader(self, dataloader: Any) -> Any:
         """Keep the global batch constant when the number of replicas changes, and record
-        which samples each training batch holds (AutoCache)."""
+        which samples each batch holds (AutoCache: training, and validation in fit)."""
         trainer = self.lightning_module.trainer
         if self.engine is None or not isinstance(dataloader, DataLoader):
             return dataloader
         if not trainer.training:
-            return self._record_validation(dataloader) if trainer.state.fn == TrainerFn.FITTING else dataloader
+            if trainer.state.fn != TrainerFn.FITTING:
+                return dataloader
+            return self._cache_feed.validation_loader(dataloader, self._cache_site())
         dataloader = self._autodp.reshard(dataloader, self.engine.layout.replicas)
         if self._stable_shards():
             dataloader = stable_shards(dataloader)
-        if self.cache is False or not _has_len(dataloader.dataset):
-            return dataloader
-        dataloader, self._recorder = recording(dataloader)
-        if self._autocache.cache is None:
-            cache = self._autocache.open(
-                self._run_token, self.node_rank, len(dataloader.dataset), self.root_device, self._share_host()
-            )
-            self.engine.cache = cache
+        dataloader, opened = self._cache_feed.training_loader(dataloader, self._cache_site())
+        if opened is not None:
+            self.engine.cache = opened
         return dataloader
 
-    def _record_validation(self, dataloader: DataLoader) -> DataLoader:
-        """Record which samples each batch of the validation loader holds (AutoCache serves it too)."""
-        if self.cache is False or not _has_len(dataloader.dataset):
-            return dataloader
-        dataloader = self._validation_keys.record(dataloader)
-        if self._validation_keys.dataset is dataloader.dataset:  # recorded: validation_step hands it to the engine
-            self._autocache.open_eval(
-                self._run_token, self.node_rank, len(dataloader.dataset), self.root_device, self._share_host()
-            )
-        return dataloader
-
-    def _share_host(self) -> bool:
-        """Whether several first-stage ranks of this node read a cache's host tier."""
+    def _cache_site(self) -> CacheSite:
         layout = self._require_engine().layout
-        return sum(layout.coords(r)[1] == 0 for r in self._node_ranks()) > 1
+        first_stages = sum(layout.coords(r)[1] == 0 for r in self._node_ranks())  # of this node
+        return CacheSite(self._run_token, self.node_rank, self.root_device, share_host=first_stages > 1)
 
     def _stable_shards(self) -> bool:
         if self.sampler == "auto":
@@ -429,21 +375,6 @@ class ElasticPipelineStrategy(DDPStrategy):
             for tensor in list(self.lightning_module.parameters()) + list(self.lightning_module.buffers()):
                 dist.broadcast(tensor.data, src=0)
 
-    def _patch_gradient_clipping(self) -> None:
-        plugin = self.precision_plugin
-        original = type(plugin).clip_gradients
-
-        def clip_gradients(
-            optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = GradClipAlgorithmType.NORM
-        ) -> None:
-            if clip_val > 0 and gradient_clip_algorithm == GradClipAlgorithmType.NORM:
-                self._require_engine().grad_sync.clip_by_norm(float(clip_val))
-            else:
-                original(plugin, optimizer, clip_val, gradient_clip_algorithm)
-
-        # The norm must span every stage's gradients, not only this rank's.
-        plugin.clip_gradients = clip_gradients
-
     def _refuse_collected_outputs(self, model: str, what: str) -> None:
         """A model was asked for outputs of every block (see :mod:`model_checks`)."""
         engine = self._require_engine()
@@ -471,8 +402,7 @@ class ElasticPipelineStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.lightning_module.trainer
         loss_scale = 1.0 / max(1, trainer.accumulate_grad_batches)
-        current, after = self._recorder.pop() if self._recorder is not None else (None, None)
-        indices, upcoming = (None if i is None else torch.tensor(i, dtype=torch.long) for i in (current, after))
+        indices, upcoming = self._cache_feed.training_keys()
         with self.precision_plugin.train_step_context():
             return self._require_engine().train_step(
                 self.lightning_module.training_step,
@@ -504,9 +434,7 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         engine = self._require_engine()
-        current, after = self._validation_keys.pop(args)  # AutoCache's keys, in fit
-        engine.eval_cache = self._autocache.serving_eval() if current is not None else None
-        indices, upcoming = (None if i is None else torch.tensor(i, dtype=torch.long) for i in (current, after))
+        engine.eval_cache, indices, upcoming = self._cache_feed.validation_keys(args)  # AutoCache's, in fit
         with self.precision_plugin.val_step_context():
             return engine.eval_step(self.lightning_module.validation_step, args[0], args[1:], kwargs, indices, upcoming)
 
@@ -526,9 +454,8 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def on_validation_start(self) -> None:
         trainer = self.lightning_module.trainer
-        if trainer.state.fn == TrainerFn.FITTING and self._autocache.eval_cache is not None:
-            self._autocache.begin_validation(self.world_size)  # a collective
-            self._validation_keys.locate(trainer.val_dataloaders)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._cache_feed.begin_validation(trainer.val_dataloaders, self.world_size)
         self._evaluation_starts()
 
     def on_validation_end(self) -> None:
@@ -622,15 +549,14 @@ class ElasticPipelineStrategy(DDPStrategy):
         if self._output_checks is not None:
             self._output_checks.remove()
             self._output_checks = None
-        if self._autocache.cache is not None or self._autocache.eval_cache is not None:
+        if self._cache_feed.open:
             if not self._failed:
                 self.barrier("pipetx-cache")  # every rank is done with the files
-            self._autocache.close(remove_files=self.local_rank == 0)
-            self._recorder = None
-            self._validation_keys.reset()
+            self._cache_feed.close(remove_files=self.local_rank == 0)
         if self.engine is not None:
             if self._failed:
-                self._restore_after_failure(self.engine)
+                store, path = self._store, self._split.path
+                restore_after_failure(self.engine, self._agreement, self._autodp.moving, store, self.global_rank, path)
             else:
                 trainer = self.lightning_module.trainer
                 if trainer.state.fn == TrainerFn.PREDICTING:  # here, as a replica without batches skips the hooks
@@ -642,20 +568,8 @@ class ElasticPipelineStrategy(DDPStrategy):
             if not self._failed:
                 self._agreement.close()
             self._agreement = None
-        plugin = self.precision_plugin
-        plugin.__dict__.pop("clip_gradients", None)
+        restore_clipping(self.precision_plugin)
         super().teardown()
-
-    def _restore_after_failure(self, engine: PipelineEngine) -> None:
-        """Bring the model back whole where every rank stopped alike, else say what this rank lacks."""
-        engine.close(restore_weights=False, destroy_groups=False)  # the training groups may be out of step
-        plan = f"{engine.plan.layout} {engine.plan.bounds}"
-        state = -1 if self._autodp.moving else zlib.crc32(plan.encode())
-        if state >= 0 and self._agreement is not None and self._agreement.every_rank_failed(state):
-            engine.restore_after_failure(self._agreement.group)
-            self._agreement.close()
-        elif self._store.released_blocks():
-            log_incomplete_model(self.global_rank, self._store.released_blocks(), self._split.path)
 
 
 # Register "elastic_pipeline" and "elastic_pipeline_spawn" as soon as the package is imported.

@@ -14,10 +14,16 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import zlib
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from lightning_pipetx.strategy.engine import PipelineEngine
+    from lightning_pipetx.strategy.param_store import ParamStore
 
 log = logging.getLogger("lightning_pipetx")
 
@@ -61,6 +67,26 @@ def log_incomplete_model(rank: int, released: list[int], path: str) -> None:
         released,
         path,
     )
+
+
+def restore_after_failure(
+    engine: PipelineEngine,
+    agreement: FailureAgreement | None,
+    moving: bool,
+    store: ParamStore,
+    rank: int,
+    path: str,
+) -> None:
+    """Close ``engine`` after an exception: the whole model back on every rank where every rank
+    stopped alike (the same layout, no transition under way), else log what this rank lacks."""
+    engine.close(restore_weights=False, destroy_groups=False)  # the training groups may be out of step
+    plan = f"{engine.plan.layout} {engine.plan.bounds}"
+    state = -1 if moving else zlib.crc32(plan.encode())
+    if state >= 0 and agreement is not None and agreement.every_rank_failed(state):
+        engine.restore_after_failure(agreement.group)
+        agreement.close()
+    elif store.released_blocks():
+        log_incomplete_model(rank, store.released_blocks(), path)
 
 
 def _raised_in_communication(exception: BaseException) -> bool:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import lightning
 import lightning.pytorch as pl
 import torchmetrics
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 SUPPORTED = {"lightning": ">=2.4,<2.7", "torchmetrics": ">=1.0,<2.0"}  # as pyproject.toml bounds them
@@ -87,3 +89,25 @@ def check_lightning_internals(trainer: pl.Trainer, internals: tuple[Internal, ..
         f"(lightning {lightning.__version__}, torchmetrics {torchmetrics.__version__}) do not have: {names}. "
         f"Install a supported version: {SUPPORTED_VERSIONS}."
     )
+
+
+def clip_norm_over_stages(plugin: Precision, clip_by_norm: Callable[[float], None]) -> None:
+    """Make ``plugin`` clip by the norm with ``clip_by_norm`` (the norm over every stage's
+    gradients, not only this rank's); other clipping stays the plugin's. Undone by
+    :func:`restore_clipping`."""
+    original = type(plugin).clip_gradients
+
+    def clip_gradients(
+        optimizer: object, clip_val: float = 0.0, gradient_clip_algorithm: object = GradClipAlgorithmType.NORM
+    ) -> None:
+        if clip_val > 0 and gradient_clip_algorithm == GradClipAlgorithmType.NORM:
+            clip_by_norm(float(clip_val))
+        else:
+            original(plugin, optimizer, clip_val, gradient_clip_algorithm)
+
+    plugin.clip_gradients = clip_gradients
+
+
+def restore_clipping(plugin: Precision) -> None:
+    """Undo :func:`clip_norm_over_stages`."""
+    plugin.__dict__.pop("clip_gradients", None)

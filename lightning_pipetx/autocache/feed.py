@@ -1,0 +1,104 @@
+"""The loaders' side of AutoCache: which samples each batch holds, and the caches they open.
+
+The training loader and the validation loader run during fit are recorded (their batch
+samplers tell the dataset indices of each batch, :mod:`.sample_keys`); the first recorded
+loader of each kind opens its cache; each step then takes the keys of its batch and of the
+next one (which the cache prefetches).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_pipetx.autocache.cache import AutoCache
+from lightning_pipetx.autocache.control import CacheControl
+from lightning_pipetx.autocache.sample_keys import RecordingBatchSampler, ValidationKeys, recording
+
+Keys = tuple[torch.Tensor | None, torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class CacheSite:
+    """Where this rank's caches live: the run, the node, the training device, and whether
+    several first stages of the node read the host tier."""
+
+    run_token: str
+    node_rank: int
+    device: torch.device
+    share_host: bool
+
+
+def _has_len(dataset: Any) -> bool:
+    try:
+        len(dataset)
+    except TypeError:
+        return False
+    return True
+
+
+def _as_tensors(current: list[int] | None, after: list[int] | None) -> Keys:
+    return tuple(None if i is None else torch.tensor(i, dtype=torch.long) for i in (current, after))
+
+
+class CacheFeed:
+    """Records the training loader and the validation loader of a fit for ``control``'s caches,
+    and hands each step its keys. A loader over a dataset without a length is not cached."""
+
+    def __init__(self, control: CacheControl) -> None:
+        self.control = control
+        self._training: RecordingBatchSampler | None = None
+        self._validation = ValidationKeys()
+
+    def _cacheable(self, loader: DataLoader) -> bool:
+        return self.control.mode is not False and _has_len(loader.dataset)
+
+    def training_loader(self, loader: DataLoader, site: CacheSite) -> tuple[DataLoader, AutoCache | None]:
+        """``loader``, recording its batches; and the training cache if this call opened it."""
+        if not self._cacheable(loader):
+            return loader, None
+        loader, self._training = recording(loader)
+        if self.control.cache is not None:
+            return loader, None
+        size = len(loader.dataset)
+        return loader, self.control.open(site.run_token, site.node_rank, size, site.device, site.share_host)
+
+    def validation_loader(self, loader: DataLoader, site: CacheSite) -> DataLoader:
+        """``loader``, recording its batches if it is the recorded one (the first, or a reload of it)."""
+        if not self._cacheable(loader):
+            return loader
+        loader = self._validation.record(loader)
+        if self._validation.dataset is loader.dataset:
+            size = len(loader.dataset)
+            self.control.open_eval(site.run_token, site.node_rank, size, site.device, site.share_host)
+        return loader
+
+    def training_keys(self) -> Keys:
+        """The dataset indices of this training batch and of the next one (None: not recorded)."""
+        return _as_tensors(*self._training.pop()) if self._training is not None else (None, None)
+
+    def begin_validation(self, loaders: Any, world_size: int) -> None:
+        """Before a validation run in fit (a collective where the validation cache exists)."""
+        if self.control.eval_cache is not None:
+            self.control.begin_validation(world_size)
+            self._validation.locate(loaders)
+
+    def validation_keys(self, step_args: tuple) -> tuple[AutoCache | None, torch.Tensor | None, torch.Tensor | None]:
+        """For a validation step: the cache serving it (None: not served), and the dataset indices
+        of its batch and of the next one."""
+        current, after = self._validation.pop(step_args)
+        cache = self.control.serving_eval() if current is not None else None
+        return (cache, *_as_tensors(current, after))
+
+    @property
+    def open(self) -> bool:
+        return self.control.cache is not None or self.control.eval_cache is not None
+
+    def close(self, remove_files: bool) -> None:
+        """Close both caches (``remove_files``: one rank per node) and forget the loaders."""
+        self.control.close(remove_files)
+        self._training = None
+        self._validation.reset()
