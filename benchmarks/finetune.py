@@ -76,10 +76,12 @@ def worker(args: argparse.Namespace) -> None:
             self.start = time.perf_counter()
 
         def on_train_epoch_start(self, trainer, pl_module):
+            # what this epoch trains with: the decision after it may change both
             self.frozen = callbacks[0].frozen_blocks if callbacks else 0
+            layout = getattr(trainer.strategy, "layout", None)
+            self.layout = str(layout) if layout is not None else f"1x{world}"
 
         def on_train_epoch_end(self, trainer, pl_module):
-            layout = getattr(trainer.strategy, "layout", None)
             transition = getattr(trainer.strategy, "last_transition", None)
             if transition is self.transition:
                 transition = None
@@ -90,11 +92,12 @@ def worker(args: argparse.Namespace) -> None:
                     "seconds": time.perf_counter() - self.start,
                     "val_acc": float(trainer.callback_metrics["val_acc"]),
                     "frozen": self.frozen,
-                    "layout": str(layout) if layout is not None else f"1x{world}",
+                    "layout": self.layout,
                     "cache_hit_rate": _metric(trainer, "pipetx/cache_hit_rate"),  # at the epoch's whole depth
                     "cache_served": _served(trainer),  # at any cached depth
                     "val_cache_hit_rate": _metric(trainer, "pipetx/val_cache_hit_rate"),  # this epoch's validation
                     "transition_seconds": None if transition is None else transition.seconds,  # after this epoch
+                    "transition": None if transition is None else f"{transition.old_layout} -> {transition.new_layout}",
                     "freeze_reason": _freeze_reason(callbacks),  # the decision taken after this epoch
                 }
             )

@@ -42,9 +42,12 @@ def test_the_demo_command_compares_ddp_and_the_full_system(tmp_path):
     assert ddp["speedup_vs_ddp"] == pytest.approx(1.0)
     assert full["layouts"][0] == "2x1" and ddp["layouts"] == ["1x2", "1x2"]
     assert full["frozen_per_epoch"][0] == 0 and full["frozen_per_epoch"][1] > 0
-    # The 2x1 -> 1x2 transition after epoch 0, timed and set against a DDP epoch of the same run.
-    transitions = [p["transition_seconds"] for p in summary["runs"]["full"][0]["epochs"]]
+    # A transition after epoch 0 (to 1x2, or 2x1 re-balanced around the frozen prefix), timed and set
+    # against a DDP epoch of the same run; each epoch lists the layout it trained with.
+    epochs = summary["runs"]["full"][0]["epochs"]
+    transitions = [p["transition_seconds"] for p in epochs]
     assert transitions[0] > 0 and full["transitions_per_run"] == sum(t is not None for t in transitions)
+    assert epochs[0]["transition"].startswith("2x1 -> ") and epochs[1]["layout"] == epochs[0]["transition"][7:]
     assert 0 < full["transition_share_of_ddp_epoch"] < 1 and "transition(s) per run" in proc.stdout
     assert "transition_seconds" not in ddp
     for row in (ddp, full):
