@@ -57,6 +57,8 @@ def worker(args: argparse.Namespace) -> None:
     if config == "full":
         length = args.pipeline_length if args.pipeline_length == "auto" else int(args.pipeline_length)
         options = {"alpha": args.alpha, "min_active_blocks": args.min_active_blocks}
+        if args.guard_tolerance is not None:  # the guard: no more freezing once validation accuracy degrades
+            options.update(monitor="val_acc", mode="max", tolerance=args.guard_tolerance)
         freeze = FreezeCallback(**{name: value for name, value in options.items() if value is not None})
         strategy, callbacks = ElasticPipelineStrategy(pipeline_length=length), [freeze]
     elif config == "pipe":
@@ -256,6 +258,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--min-active-blocks", type=int, default=None, help="the full system's FreezeCallback min_active_blocks"
+    )
+    parser.add_argument(
+        "--guard-tolerance",
+        type=float,
+        default=None,
+        help="turn the full system's freeze guard on: FreezeCallback(monitor='val_acc', tolerance=T)",
     )
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
     parser.add_argument("--precision", default="32-true")
