@@ -229,3 +229,16 @@ def test_a_recorded_loader_is_not_wrapped_twice():
     assert again is loader and same is recorder
     assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     assert list(recorder.yielded) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def test_a_seeded_run_draws_the_same_dropout_as_lightning_ddp(tmp_path):
+    # Data parallel with the same seed, data order and dropout masks as Lightning's DDP: the same
+    # weights to the bit (the strategy's set-up must not draw from the user's random stream).
+    from distributed import run_workers
+
+    for which in ("ddp", "pipetx"):
+        run_workers("seeded_dropout_worker.py", 2, which, str(tmp_path / f"{which}.pt"))
+    ddp, ours = (torch.load(tmp_path / f"{which}.pt") for which in ("ddp", "pipetx"))
+    assert ddp.keys() == ours.keys()
+    for name, value in ddp.items():
+        assert torch.equal(value, ours[name]), name

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import lightning
 import lightning.pytorch as pl
+import torch
 import torchmetrics
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
@@ -41,7 +42,8 @@ def _metric_has_forward_cache(trainer: pl.Trainer) -> bool:
 
 
 def _loader_takes_a_new_batch_sampler(trainer: pl.Trainer) -> bool:
-    loader = DataLoader(range(4), batch_size=2)
+    # Its own generator: iterating a loader draws a seed, which must not move the user's random stream.
+    loader = DataLoader(range(4), batch_size=2, generator=torch.Generator())
     replacement = BatchSampler(SequentialSampler(range(3)), batch_size=3, drop_last=False)
     object.__setattr__(loader, "batch_sampler", replacement)
     return [len(batch) for batch in loader] == [3]
