@@ -231,13 +231,16 @@ def test_a_recorded_loader_is_not_wrapped_twice():
     assert list(recorder.yielded) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
 
 
-def test_a_seeded_run_draws_the_same_dropout_as_lightning_ddp(tmp_path):
-    # Data parallel with the same seed, data order and dropout masks as Lightning's DDP: the same
-    # weights to the bit (the strategy's set-up must not draw from the user's random stream).
+@pytest.mark.parametrize("freezing", ["none", "freeze"])
+def test_a_seeded_run_trains_as_lightning_ddp_to_the_bit(tmp_path, freezing):
+    # Data parallel from the same seed: the same data order, dropout masks and schedule as
+    # Lightning's DDP, so the same weights to the bit; with FreezeCallback too (frozen blocks served
+    # by AutoCache). The strategy must not draw from the user's random stream, nor have Lightning
+    # build the training loader twice (each build draws a seed).
     from distributed import run_workers
 
     for which in ("ddp", "pipetx"):
-        run_workers("seeded_dropout_worker.py", 2, which, str(tmp_path / f"{which}.pt"))
+        run_workers("seeded_dropout_worker.py", 2, which, freezing, str(tmp_path / f"{which}.pt"))
     ddp, ours = (torch.load(tmp_path / f"{which}.pt") for which in ("ddp", "pipetx"))
     assert ddp.keys() == ours.keys()
     for name, value in ddp.items():

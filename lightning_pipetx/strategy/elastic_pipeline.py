@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from lightning_pipetx.autocache import CacheControl, CacheFeed, CacheSite
 from lightning_pipetx.blocks import BlockSplit, find_blocks
-from lightning_pipetx.strategy.autodp import AutoDP, Transition, reload_dataloaders
+from lightning_pipetx.strategy.autodp import AutoDP, Transition
 from lightning_pipetx.strategy.autopipe import FROZEN_TIME, AutoPipe, Plan, device_memory
 from lightning_pipetx.strategy.checkpoint import atomic_save, gather_optimizer_state
 from lightning_pipetx.strategy.dataloading import stable_shards
@@ -210,9 +210,14 @@ class ElasticPipelineStrategy(DDPStrategy):
             raise RuntimeError("ElasticPipelineStrategy is not set up: run it through a Trainer.")
         return self.autopipe
 
+    def _loader_layout(self) -> Layout | None:
+        """The layout loaders are built for: the engine's, or while setup builds it the first
+        plan's (configure_optimizers may build the training loader, for an LR schedule)."""
+        return self.engine.layout if self.engine is not None else self._layout0
+
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        layout = self.engine.layout if self.engine is not None else self._layout0
+        layout = self._loader_layout()
         if layout is None:  # before setup: every rank its own replica, as DDP
             return super().distributed_sampler_kwargs
         return {"num_replicas": layout.replicas, "rank": layout.coords(self.global_rank)[0]}
@@ -237,15 +242,14 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._agreement = FailureAgreement(self.world_size, self.timeout)
         plan = self._start_plan(self._split)
         # configure_optimizers may build the training DataLoader (trainer.estimated_stepping_batches,
-        # for an LR schedule): its sampler must already shard by replica, not by rank.
+        # for an LR schedule): it is sharded by replica and recorded for AutoCache as it is built, so
+        # that Lightning keeps it (building it again would draw another seed from the user's stream).
         self._layout0 = plan.layout
         if trainer.state.fn == TrainerFn.FITTING:
             # configure_optimizers sees every weight as one process would (it may group them by
             # shape or read them); the blocks this rank does not run are released after it.
             self.setup_optimizers(trainer)
         self.engine = self._build_engine(plan)
-        # A loader built by configure_optimizers did not pass through process_dataloader (AutoCache).
-        reload_dataloaders(trainer)
         self.engine.profile_steps = self.profile_steps
         drop_optimizer_state(self._split.blocks, self.optimizers, self.engine.block_range)
         clip_norm_over_stages(self.precision_plugin, lambda norm: self._require_engine().grad_sync.clip_by_norm(norm))
@@ -324,22 +328,22 @@ class ElasticPipelineStrategy(DDPStrategy):
         """Keep the global batch constant when the number of replicas changes, and record
         which samples each batch holds (AutoCache: training, and validation in fit)."""
         trainer = self.lightning_module.trainer
-        if self.engine is None or not isinstance(dataloader, DataLoader):
+        layout = self._loader_layout()
+        if layout is None or not isinstance(dataloader, DataLoader):
             return dataloader
         if not trainer.training:
             if trainer.state.fn != TrainerFn.FITTING:
                 return dataloader
-            return self._cache_feed.validation_loader(dataloader, self._cache_site())
-        dataloader = self._autodp.reshard(dataloader, self.engine.layout.replicas)
+            return self._cache_feed.validation_loader(dataloader, self._cache_site(layout))
+        dataloader = self._autodp.reshard(dataloader, layout.replicas)
         if self._stable_shards():
             dataloader = stable_shards(dataloader)
-        dataloader, opened = self._cache_feed.training_loader(dataloader, self._cache_site())
-        if opened is not None:
+        dataloader, opened = self._cache_feed.training_loader(dataloader, self._cache_site(layout))
+        if opened is not None and self.engine is not None:  # else the engine gets it when it is built
             self.engine.cache = opened
         return dataloader
 
-    def _cache_site(self) -> CacheSite:
-        layout = self._require_engine().layout
+    def _cache_site(self, layout: Layout) -> CacheSite:
         first_stages = sum(layout.coords(r)[1] == 0 for r in self._node_ranks())  # of this node
         return CacheSite(self._run_token, self.node_rank, self.root_device, share_host=first_stages > 1)
 

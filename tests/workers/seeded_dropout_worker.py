@@ -1,34 +1,39 @@
-"""Train the tiny sequential model with dropout under Lightning's DDP or ElasticPipelineStrategy
-(pipeline_length=1) from the same seed; rank 0 saves the weights.
+"""Fine-tune the tiny BERT (dropout on, a linear-decay schedule over ``trainer.estimated_stepping_batches``,
+shuffled, validated every epoch) under Lightning's DDP or ElasticPipelineStrategy(pipeline_length=1)
+from the same seed, optionally with FreezeCallback; rank 0 saves the weights.
 
-Usage: torchrun --nproc_per_node=2 seeded_dropout_worker.py {ddp,pipetx} OUT_FILE
+Usage: torchrun --nproc_per_node=2 seeded_dropout_worker.py {ddp,pipetx} {none,freeze} OUT_FILE
 """
 
 import sys
 
 import lightning.pytorch as pl
 import torch
-from tiny_models import build_task, task_loader
+from tiny_models import TASKS, TinyBertClassifier, make_trainer
+from torch.utils.data import DataLoader
 
-from lightning_pipetx import ElasticPipelineStrategy
+from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
+
+
+class ScheduledBert(TinyBertClassifier):
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        total = self.trainer.estimated_stepping_batches  # builds the training loader during setup
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
 def main() -> None:
-    which, out_file = sys.argv[1], sys.argv[2]
+    which, freezing, out_file = sys.argv[1:4]
     pl.seed_everything(0)
-    model = build_task("sequential", dropout=0.3)
+    model = ScheduledBert(dropout=0.3)
     strategy = "ddp" if which == "ddp" else ElasticPipelineStrategy(pipeline_length=1)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=6,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(model, task_loader("sequential"))
+    callbacks = [FreezeCallback()] if freezing == "freeze" else []
+    trainer = make_trainer(callbacks, max_epochs=3, devices=2, strategy=strategy)
+    # Loaders without a generator of their own, as most users write them: each iteration draws a
+    # seed from torch's global generator.
+    train, val = (DataLoader(TASKS["bert"].dataset(size=size, seed=0), batch_size=4) for size in (48, 16))
+    trainer.fit(model, train, val)
     if trainer.is_global_zero:
         torch.save({name: p.detach().clone() for name, p in model.named_parameters()}, out_file)
 
