@@ -568,6 +568,7 @@ class ElasticPipelineStrategy(DDPStrategy):
                 self.engine.share_updated_params(self.optimizers)
                 self.engine.close(restore_weights=True)
             self.engine = None
+        self._layout0 = None  # loaders built before the next setup are not this run's
         if self._agreement is not None:
             if not self._failed:
                 self._agreement.close()
