@@ -7,6 +7,7 @@ from collections import namedtuple
 import lightning.pytorch as pl
 import pytest
 import torch
+from distributed import run_workers
 from tiny_models import build_model, build_task, task_loader
 from transformers import BatchEncoding
 
@@ -237,8 +238,6 @@ def test_a_seeded_run_trains_as_lightning_ddp_to_the_bit(tmp_path, freezing):
     # Lightning's DDP, so the same weights to the bit; with FreezeCallback too (frozen blocks served
     # by AutoCache). The strategy must not draw from the user's random stream, nor have Lightning
     # build the training loader twice (each build draws a seed).
-    from distributed import run_workers
-
     for which in ("ddp", "pipetx"):
         run_workers("seeded_dropout_worker.py", 2, which, freezing, str(tmp_path / f"{which}.pt"))
     ddp, ours = (torch.load(tmp_path / f"{which}.pt") for which in ("ddp", "pipetx"))
