@@ -9,13 +9,16 @@ a dotted path overrides the search.
 ``pre`` and ``post`` are decided by position in the module tree: along the chain of modules
 from the root down to the block list, children registered before the chain's next link are
 ``pre`` and children registered after it are ``post``. Parameters held directly by a module
-on that chain (a ViT's ``cls_token`` and ``pos_embed``) are ``pre``.
+on that chain (a ViT's ``cls_token`` and ``pos_embed``) are ``pre``. A weight registered after
+the block list that the forward reads only before block 0 (MPNet's relative position bias) is
+``pre`` too once a training step has shown it (:mod:`~lightning_pipetx.pre_trace`):
+:meth:`BlockSplit.with_pre_weights`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -36,6 +39,8 @@ class BlockSplit:
         post: ``(name, module)`` pairs that run after the last block.
         pre_direct_params: ``(name, parameter)`` pairs held directly by a module on the
             chain from ``root`` to the block list; they count as ``pre``.
+        pre_by_use: ``(name, parameter)`` pairs registered in ``post`` that the forward reads
+            only before block 0; they count as ``pre``.
     """
 
     root: nn.Module
@@ -44,6 +49,7 @@ class BlockSplit:
     pre: tuple[tuple[str, nn.Module], ...]
     post: tuple[tuple[str, nn.Module], ...]
     pre_direct_params: tuple[tuple[str, nn.Parameter], ...]
+    pre_by_use: tuple[tuple[str, nn.Parameter], ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -55,7 +61,7 @@ class BlockSplit:
     def pre_parameters(self) -> Iterator[nn.Parameter]:
         """Parameters of ``pre`` (including those held directly on the chain), each once."""
         seen: set[int] = set()
-        for _, param in self.pre_direct_params:
+        for _, param in self.pre_direct_params + self.pre_by_use:
             if id(param) not in seen:
                 seen.add(id(param))
                 yield param
@@ -64,6 +70,12 @@ class BlockSplit:
                 if id(param) not in seen:
                     seen.add(id(param))
                     yield param
+
+    def with_pre_weights(self, names: list[str]) -> BlockSplit:
+        """This split with the root's parameters ``names`` (registered in ``post``, read only
+        before block 0) counted as ``pre``."""
+        params = dict(self.root.named_parameters())
+        return replace(self, pre_by_use=tuple((name, params[name]) for name in names))
 
     def block_parameters(self, index: int) -> Iterator[nn.Parameter]:
         return self.blocks[index].parameters()
@@ -82,7 +94,8 @@ class BlockSplit:
         """
         if num_frozen <= 0:
             return []
-        used_later = {id(p) for _, module in self.post for p in module.parameters()}
+        read_before = {id(p) for _, p in self.pre_by_use}
+        used_later = {id(p) for _, module in self.post for p in module.parameters() if id(p) not in read_before}
         params = [p for p in self.pre_parameters() if id(p) not in used_later]
         for i in range(num_frozen):
             params.extend(self.block_parameters(i))

@@ -95,12 +95,30 @@ def test_validation_asking_for_every_blocks_output_is_never_served(tmp_path, cap
     assert trainer.callback_metrics["pipetx/cache_hit_rate"] == 1.0
 
 
+class BiasPenalty(tm.TinyMPNetClassifier):
+    """MPNet whose loss also penalises the relative position bias's weight: read after the blocks
+    too, that weight is not part of the frozen prefix and keeps training."""
+
+    def training_step(self, batch, batch_idx):
+        bias = self.model.mpnet.encoder.relative_attention_bias.weight
+        return super().training_step(batch, batch_idx) + 1e-3 * bias.square().sum()
+
+
 def test_a_weight_the_frozen_blocks_read_from_outside_keeps_validation_uncached(tmp_path):
-    # MPNet's relative position bias is computed from a weight after the blocks that keeps training.
+    _, plain, _ = fit(False, tmp_path, module=BiasPenalty(seed=0, dropout=0.0))
+    _, record, trainer = fit("auto", tmp_path, module=BiasPenalty(seed=0, dropout=0.0))
+    assert trainer.lightning_module.model.mpnet.encoder.relative_attention_bias.weight.requires_grad
+    assert record.losses == plain.losses
+    assert all(counts is None or counts[0] == 0 for counts in record.served)
+
+
+def test_validation_of_a_model_with_a_bias_computed_before_the_blocks_is_served(tmp_path):
+    # MPNet's relative position bias comes from a weight registered after the blocks but read
+    # only before them: it freezes with the prefix, and validation is served exactly.
     _, plain, _ = fit(False, tmp_path, module=tm.TinyMPNetClassifier(seed=0, dropout=0.0))
     _, record, _ = fit("auto", tmp_path, module=tm.TinyMPNetClassifier(seed=0, dropout=0.0))
     assert record.losses == plain.losses
-    assert all(counts is None or counts[0] == 0 for counts in record.served)
+    assert record.served == [(0, 0), (0, 24), (0, 24), (24, 24)]
 
 
 @pytest.mark.parametrize("pipeline_length", [2, 1])

@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_pipetx.blocks import BlockSplit, find_blocks
 from lightning_pipetx.callbacks.freeze_guard import FreezeGuard
 from lightning_pipetx.callbacks.freeze_rule import FreezeDecision, decide
+from lightning_pipetx.pre_trace import PreTrace
 
 log = logging.getLogger("lightning_pipetx")
 
@@ -32,7 +33,9 @@ class FreezeCallback(Callback):
     with the smallest gradient norm accumulated over the interval (that block included), and
     ``L - min_active_blocks``. Freezing ``F`` blocks turns off ``requires_grad`` for ``pre``
     (embeddings) and blocks ``[0, F)``, keeps them in eval mode (no dropout) and so takes
-    them out of backward and of the optimizer step. Blocks are never unfrozen.
+    them out of backward and of the optimizer step. Blocks are never unfrozen. A weight
+    registered after the blocks that the first training step reads only before block 0
+    (MPNet's relative position bias) counts as ``pre``.
 
     Args:
         alpha: progression bound in (0, 1]: at most ``ceil(alpha * active)`` more blocks
@@ -90,6 +93,8 @@ class FreezeCallback(Callback):
         self._norm_steps = 0
         self._device_norms: torch.Tensor | None = None  # [sums per block..., steps], on the device
         self._split: BlockSplit | None = None
+        self._pre_weights: list[str] | None = None  # found by the first training step's trace
+        self._trace: PreTrace | None = None
         self._epoch_samples = 0
         self._epoch_seconds = 0.0
         self._last_tick = 0.0
@@ -101,6 +106,12 @@ class FreezeCallback(Callback):
             raise RuntimeError("FreezeCallback is not attached to a model yet (call trainer.fit first).")
         return self._split
 
+    @property
+    def pre_weights(self) -> list[str] | None:
+        """Weights registered after the blocks that the first training step read only before
+        them: they freeze with the prefix (None until that step ran)."""
+        return self._pre_weights
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if isinstance(trainer.strategy, (FSDPStrategy, DeepSpeedStrategy)):
             raise ValueError(
@@ -109,6 +120,7 @@ class FreezeCallback(Callback):
                 f"ElasticPipelineStrategy."
             )
         self._split = find_blocks(pl_module, self.blocks)
+        self._add_pre_weights()
         num_blocks = self._split.num_blocks
         if num_blocks <= self.min_active_blocks:
             raise ValueError(
@@ -118,6 +130,10 @@ class FreezeCallback(Callback):
         if self._norm_sums is None or self._norm_sums.numel() != num_blocks:
             self._norm_sums = torch.zeros(num_blocks, dtype=torch.float64)
             self._device_norms = None
+
+    def _add_pre_weights(self) -> None:
+        if self._split is not None and self._pre_weights:
+            self._split = self._split.with_pre_weights(self._pre_weights)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Re-applies a frozen prefix restored from a checkpoint (ckpt_path=...).
@@ -135,15 +151,34 @@ class FreezeCallback(Callback):
     ) -> None:
         # Lightning calls module.train() at epoch start and after validation.
         self._set_prefix_eval()
+        if self._pre_weights is None and self._trace is None:
+            self._trace = PreTrace(self.split)
+            self._trace.start()
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._trace is not None:
+            self._end_trace(trainer)
         now = time.perf_counter()
         self._epoch_seconds += now - self._last_tick
         self._last_tick = now
         with contextlib.suppress(Exception):  # a batch with no tensor: throughput is not known
             self._epoch_samples += extract_batch_size(batch)
+
+    def _end_trace(self, trainer: pl.Trainer) -> None:
+        """Count the weights the first step read only before block 0 as ``pre`` (a collective)."""
+        self._trace.stop()
+        self._pre_weights = self._trace.pre_names()
+        self._trace = None
+        self._add_pre_weights()
+        if self._pre_weights and trainer.is_global_zero:
+            log.info("pipetx: %s, read only before the blocks, freeze with them", ", ".join(self._pre_weights))
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._trace is not None:
+            self._trace.stop()
+            self._trace = None
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Validation inside a training epoch is not training time.
@@ -275,6 +310,7 @@ class FreezeCallback(Callback):
             "norm_sums": None if self._norm_sums is None else self._norm_sums.tolist(),
             "norm_steps": self._norm_steps,
             "guard": None if self.guard is None else self.guard.state_dict(),
+            "pre_weights": self._pre_weights,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -284,6 +320,8 @@ class FreezeCallback(Callback):
         self._norm_sums = None if sums is None else torch.tensor(sums, dtype=torch.float64)
         self._device_norms = None
         self._norm_steps = int(state_dict.get("norm_steps", 0))
+        self._pre_weights = state_dict.get("pre_weights")
+        self._add_pre_weights()
         if self.guard is not None and state_dict.get("guard") is not None:
             self.guard.load_state_dict(state_dict["guard"])
 

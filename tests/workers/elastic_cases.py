@@ -66,4 +66,5 @@ def reference_run(
         "state": module.state_dict(),
         "optimizer": trainer.optimizers[0].state_dict(),
         "frozen": freeze.frozen_blocks,
+        "pre_weights": freeze.pre_weights,
     }
