@@ -6,13 +6,14 @@ MPNet's encoder computes its relative position bias from ``relative_attention_bi
 after ``layer``) and hands it to every block. Such a weight belongs to the frozen prefix: while
 it trains, the frozen blocks' output changes and AutoCache cannot serve it.
 
-:class:`PreTrace` watches one training step: every call of a torch function whose output needs
-a gradient (one the autograd graph records: not an optimizer's in-place update) records the candidate weights among its arguments, with the phase of the forward it
-happened in: before block 0 (from the call of the chain's first module, which the model's
-forward enters once per micro-batch), inside the blocks, or after the last one. A candidate
-read before block 0 and in no other phase, on any rank, is ``pre``. Reads the trace cannot
-place (a LightningModule's own code before the chain's first module) count as after the
-blocks: a weight is never moved on doubtful evidence, it only keeps training.
+:class:`PreTrace` watches one training step. Every call of a torch function whose output the
+autograd graph records (not an optimizer's in-place update) records the candidate weights among
+its arguments, with the phase of the forward it happened in: before block 0 (from the call of
+the chain's first module, which the model's forward enters once per micro-batch), inside the
+blocks, or after the last one. A candidate read before block 0 and in no other phase, on any
+rank, is ``pre``. Reads the trace cannot place (a LightningModule's own code before the chain's
+first module) count as after the blocks: a weight is never moved on doubtful evidence, it only
+keeps training.
 """
 
 from __future__ import annotations

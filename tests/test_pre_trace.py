@@ -102,3 +102,41 @@ def test_a_pipeline_agrees_over_its_ranks_and_trains_as_one_process(tmp_path):
     assert reference["pre_weights"] == [BIAS]
     for key, expected in reference["state"].items():
         torch.testing.assert_close(result[key], expected, atol=1e-5, rtol=1e-4, msg=key)
+
+
+@pytest.mark.parametrize(
+    ("norm_rel_ebd", "moved"),
+    [
+        # DeBERTa-v3 normalises its relative embeddings once, before the blocks
+        (
+            "layer_norm",
+            [
+                "deberta.encoder.rel_embeddings.weight",
+                "deberta.encoder.LayerNorm.weight",
+                "deberta.encoder.LayerNorm.bias",
+            ],
+        ),
+        ("none", []),  # every attention layer slices the weight itself: it is read inside the blocks
+    ],
+)
+def test_debertas_relative_embeddings(norm_rel_ebd, moved):
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+    config = DebertaV2Config(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        intermediate_size=64,
+        relative_attention=True,
+        position_buckets=16,
+        norm_rel_ebd=norm_rel_ebd,
+        pos_att_type=["p2c", "c2p"],
+    )
+    torch.manual_seed(0)
+    model = DebertaV2ForSequenceClassification(config)
+    trace = PreTrace(find_blocks(model))
+    trace.start()
+    model(input_ids=torch.randint(0, 100, (2, 10)), labels=torch.tensor([0, 1])).loss.backward()
+    trace.stop()
+    assert trace.pre_names() == moved
