@@ -140,3 +140,10 @@ def test_debertas_relative_embeddings(norm_rel_ebd, moved):
     model(input_ids=torch.randint(0, 100, (2, 10)), labels=torch.tensor([0, 1])).loss.backward()
     trace.stop()
     assert trace.pre_names() == moved
+
+
+def test_a_callback_reused_on_another_model_traces_it_again():
+    freeze = FreezeCallback()
+    freeze.load_state_dict({"frozen_blocks": 0, "decisions": 0, "pre_weights": [BIAS]})
+    freeze.setup(_TrainerStub(), tm.TinyBertClassifier(seed=0, dropout=0.0), "fit")
+    assert freeze.pre_weights is None

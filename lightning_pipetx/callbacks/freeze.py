@@ -132,8 +132,13 @@ class FreezeCallback(Callback):
             self._device_norms = None
 
     def _add_pre_weights(self) -> None:
-        if self._split is not None and self._pre_weights:
+        if self._split is None or not self._pre_weights:
+            return
+        names = {name for name, _ in self._split.root.named_parameters()}
+        if names.issuperset(self._pre_weights):
             self._split = self._split.with_pre_weights(self._pre_weights)
+        else:  # found on another model: trace this one's first step
+            self._pre_weights = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Re-applies a frozen prefix restored from a checkpoint (ckpt_path=...).
