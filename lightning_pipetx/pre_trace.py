@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
@@ -52,7 +51,7 @@ class _ReadRecorder(TorchFunctionMode):
 
 class PreTrace:
     """Records, over the steps between :meth:`start` and :meth:`stop`, the phases in which each
-    candidate weight of ``split`` is read; :meth:`pre_names` agrees over the ranks."""
+    candidate weight of ``split`` is read (:attr:`reads`, one row per name of :attr:`names`)."""
 
     def __init__(self, split: BlockSplit) -> None:
         self.split = split
@@ -97,14 +96,9 @@ class PreTrace:
             handle.remove()
         self._handles.clear()
 
-    def pre_names(self) -> list[str]:
-        """Candidates read before block 0 and nowhere else on any rank (a collective when
-        distributed)."""
-        reads = self.reads.to(torch.float32)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and self.names:
-            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-            reads = reads.to(device or reads.device)
-            dist.all_reduce(reads, op=dist.ReduceOp.MAX)
-            reads = reads.cpu()
+    def pre_names(self, reads: torch.Tensor | None = None) -> list[str]:
+        """Candidates read before block 0 and nowhere else, by ``reads`` (this trace's
+        :attr:`reads`, or those of every rank combined by a maximum)."""
+        reads = self.reads if reads is None else reads
         only_before = (reads[:, _BEFORE] > 0) & (reads[:, _INSIDE] == 0) & (reads[:, _AFTER] == 0)
         return [name for name, keep in zip(self.names, only_before.tolist()) if keep]

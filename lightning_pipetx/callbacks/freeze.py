@@ -173,9 +173,11 @@ class FreezeCallback(Callback):
 
     def _end_trace(self, trainer: pl.Trainer) -> None:
         """Count the weights the first step read only before block 0 as ``pre`` (a collective)."""
-        self._trace.stop()
-        self._pre_weights = self._trace.pre_names()
-        self._trace = None
+        trace, self._trace = self._trace, None
+        trace.stop()
+        # A pipeline's first stage never runs the head: combine what every rank saw.
+        reads = _all_reduce_max(trace.reads.to(torch.float64)) if trace.names else trace.reads
+        self._pre_weights = trace.pre_names(reads)
         self._add_pre_weights()
         if self._pre_weights and trainer.is_global_zero:
             log.info("pipetx: %s, read only before the blocks, freeze with them", ", ".join(self._pre_weights))
@@ -337,7 +339,8 @@ def _num_replicas(trainer: pl.Trainer) -> int:
 
 
 def _all_reduce_max(values: torch.Tensor) -> torch.Tensor:
-    """Every rank holds the norms of the blocks it trains (and zeros elsewhere)."""
+    """The maximum over the ranks of what each saw (the norms of the blocks it trains, zeros
+    elsewhere; the guard's verdict; the weights the first step read)."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
         buffer = values.to(device=device or values.device, dtype=torch.float32)
