@@ -152,6 +152,7 @@ def test_schedules_run_each_microbatch_forward_then_backward(schedule, stages, m
         ({"profile_steps": -1}, "profile_steps=-1"),
         ({"memory_budget": 0}, "memory_budget=0"),
         ({"bucket_cap_mb": -1}, "bucket_cap_mb=-1"),
+        ({"reuse_host_memory": "yes"}, "reuse_host_memory='yes'"),
     ],
 )
 def test_invalid_arguments_are_refused(kwargs, match):

@@ -26,6 +26,7 @@ from lightning_pipetx.strategy.checkpoint import atomic_save, gather_optimizer_s
 from lightning_pipetx.strategy.dataloading import stable_shards
 from lightning_pipetx.strategy.engine import PipelineEngine
 from lightning_pipetx.strategy.failure import FailureAgreement, explain_training_outputs, restore_after_failure
+from lightning_pipetx.strategy.host_memory import keep_freed_memory
 from lightning_pipetx.strategy.lightning_compat import (
     check_lightning_internals,
     clip_norm_over_stages,
@@ -89,6 +90,9 @@ class ElasticPipelineStrategy(DDPStrategy):
         memory_budget: bytes of memory per device for ``pipeline_length="auto"``; by default the
             GPU's memory, or on CPU the host's memory divided among this node's processes.
         bucket_cap_mb: size of a gradient bucket (all-reduced as one), as for DDP.
+        reuse_host_memory: keep host memory freed by a training step for the next instead of
+            handing it back to the system (glibc's ``malloc``, process-wide; see
+            :mod:`~lightning_pipetx.strategy.host_memory`). ``"auto"``: when training on CPU.
         **kwargs: DDPStrategy's arguments (``process_group_backend``, ``timeout``,
             ``start_method``, ``cluster_environment``, ...).
 
@@ -114,6 +118,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         sampler: str = "auto",
         memory_budget: int | None = None,
         bucket_cap_mb: float = 25.0,
+        reuse_host_memory: bool | str = "auto",
         **kwargs: Any,
     ) -> None:
         _positive_or_auto("pipeline_length", pipeline_length)
@@ -129,6 +134,10 @@ class ElasticPipelineStrategy(DDPStrategy):
             raise ValueError(f"ElasticPipelineStrategy(memory_budget={memory_budget!r}): use a number of bytes > 0.")
         if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
             raise ValueError(f"ElasticPipelineStrategy(bucket_cap_mb={bucket_cap_mb!r}): use a size in MB > 0.")
+        if reuse_host_memory not in (True, False, "auto"):
+            raise ValueError(
+                f"ElasticPipelineStrategy(reuse_host_memory={reuse_host_memory!r}): use True, False or 'auto'."
+            )
         super().__init__(**kwargs)
         self.timeout = kwargs.get("timeout") or default_pg_timeout
         self.pipeline_length = pipeline_length
@@ -142,6 +151,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self.profile_steps = profile_steps
         self.memory_budget = memory_budget
         self.bucket_cap_mb = bucket_cap_mb
+        self.reuse_host_memory = reuse_host_memory
         self.engine: PipelineEngine | None = None
         self._split: BlockSplit | None = None
         self._layout0: Layout | None = None
@@ -258,6 +268,14 @@ class ElasticPipelineStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             self._optimizer_state_to(self.root_device)
+            self._keep_freed_host_memory()
+
+    def _keep_freed_host_memory(self) -> None:
+        wanted = self.reuse_host_memory
+        if wanted == "auto":
+            wanted = self.root_device.type == "cpu"
+        if wanted and keep_freed_memory() and self.is_global_zero:
+            log.info("pipetx: host memory freed by a training step is kept for the next (reuse_host_memory)")
 
     def _optimizer_state_to(self, device: torch.device) -> None:
         for optimizer in self.optimizers:

@@ -104,6 +104,7 @@ class LogRecorder:
         self.module = module
         self._calls: dict[str, list[tuple[Any, dict[str, Any], float]]] = {}
         self._weight = 1
+        self._metric_paths: dict[int, str] = {}  # id of a logged torchmetrics Metric -> its module path
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[LogRecorder]:
@@ -126,20 +127,32 @@ class LogRecorder:
         weight = self._weight if batch_size is None else batch_size
         self._calls.setdefault(name, []).append((value, arguments, weight))
 
+    def _metric_path(self, name: str, metric: Metric) -> str:
+        path = self._metric_paths.get(id(metric))
+        if path is None or not self._holds(path, metric):  # walk the modules when a metric is new, not every step
+            self._metric_paths = {id(m): n for n, m in self.module.named_modules() if isinstance(m, Metric)}
+            path = self._metric_paths.get(id(metric))
+        if path is None:
+            raise ValueError(f"self.log({name!r}, metric): the metric must be an attribute of the module")
+        return path
+
+    def _holds(self, path: str, metric: Metric) -> bool:
+        try:
+            return self.module.get_submodule(path) is metric
+        except AttributeError:
+            return False
+
     def merged(self, device: torch.device) -> MergedLogs:
         """One call per name, in first-logged order, as the whole batch would have logged it."""
-        metric_names = {id(m): n for n, m in self.module.named_modules() if isinstance(m, Metric)}
         specs, values, sizes = [], [], []
         for name, calls in self._calls.items():
             value, options, _ = calls[-1]
             weights = [w for _, _, w in calls]
             frozen_options = tuple(sorted(options.items()))
             if isinstance(value, Metric):
-                if id(value) not in metric_names:
-                    raise ValueError(f"self.log({name!r}, metric): the metric must be an attribute of the module")
                 step_value = value._forward_cache
                 known = isinstance(step_value, torch.Tensor) and step_value.numel() == 1
-                specs.append(LogSpec(name, metric_names[id(value)], known, frozen_options))
+                specs.append(LogSpec(name, self._metric_path(name, value), known, frozen_options))
                 values.append(step_value.detach().reshape(()) if known else None)
             else:
                 how = _reduce_name(options.get("reduce_fx", "mean"))
