@@ -37,27 +37,30 @@ class Bucket:
         self.size = sum(self.numels)
         self.buffer: torch.Tensor | None = None
         self.work: dist.Work | None = None
+        self._views: list[torch.Tensor] = []  # each parameter's slice of the buffer, shaped as the parameter
+        self._buffers: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # with their views; this step's first
         self._filled: list[bool] = []
-        self._buffers: list[torch.Tensor] = []  # this step's first
+        self._present: list[bool] = []  # this rank has a gradient: its presence flag
+        self._unfilled = 0
 
     def reset(self) -> None:
         """Take the buffer the previous synchronised step did not use (its gradients stay intact)."""
         if len(self._buffers) < 2:
             first = self.params[0]
-            self._buffers.insert(0, torch.empty(self.size + len(self.params), dtype=first.dtype, device=first.device))
+            flat = torch.empty(self.size + len(self.params), dtype=first.dtype, device=first.device)
+            views = [flat[o : o + n].view_as(p) for o, n, p in zip(self.offsets, self.numels, self.params)]
+            self._buffers.insert(0, (flat, views))
         else:
             self._buffers.reverse()
-        self.buffer = self._buffers[0]
-        self.buffer[self.size :].zero_()  # the presence flags; every slice is written by fill
+        self.buffer, self._views = self._buffers[0]
         self.work = None
         self._filled = [False] * len(self.params)
-
-    def is_filled(self, index: int) -> bool:
-        return self._filled[index]
+        self._present = [False] * len(self.params)
+        self._unfilled = len(self.params)
 
     @property
     def complete(self) -> bool:
-        return all(self._filled)
+        return self._unfilled == 0
 
     def fill(self, index: int, grad: torch.Tensor | None, earlier: torch.Tensor | None = None) -> None:
         """Put ``grad + earlier`` (either may be None), divided by ``divisor``, into parameter ``index``'s slice."""
@@ -69,21 +72,22 @@ class Bucket:
                 "use non-reentrant activation checkpointing (use_reentrant=False)."
             )
         self._filled[index] = True
-        parts = [g.detach().reshape(-1) for g in (grad, earlier) if g is not None]
-        start = self.offsets[index]
-        view = self.buffer[start : start + self.numels[index]]
-        if not parts:
+        self._unfilled -= 1
+        view = self._views[index]
+        if grad is None:
+            grad, earlier = earlier, None
+        if grad is None:
             view.zero_()
             return
-        if len(parts) == 2:
-            torch.add(parts[0], parts[1], out=view)
+        self._present[index] = True
+        if earlier is not None:
+            torch.add(grad, earlier, out=view)
             if self.divisor != 1:
                 view.div_(self.divisor)
         elif self.divisor != 1:
-            torch.div(parts[0], self.divisor, out=view)  # one pass over the gradient
+            torch.div(grad, self.divisor, out=view)  # one pass over the gradient
         else:
-            view.copy_(parts[0])
-        self.buffer[self.size + index] = 1
+            view.copy_(grad)
 
     def fill_missing(self, grads: Sequence[torch.Tensor | None], earlier: Sequence[torch.Tensor | None]) -> None:
         """Fill every parameter not filled yet, from ``grads`` and ``earlier`` (aligned with ``params``)."""
@@ -92,19 +96,27 @@ class Bucket:
                 self.fill(index, grads[index], earlier[index])
 
     def launch(self) -> None:
+        self.flags()
         self.work = dist.all_reduce(self.buffer, group=self.group, async_op=True)
 
     def flags(self) -> torch.Tensor:
-        return self.buffer[self.size :]
+        """The presence flags: this rank's until the all-reduce starts (written on the device, from no
+        host data), the sum over the group after it."""
+        flags = self.buffer[self.size :]
+        if self.work is None:
+            if all(self._present):
+                flags.fill_(1)
+            else:
+                flags.zero_()
+                for index, present in enumerate(self._present):
+                    if present:
+                        flags[index] = 1
+        return flags
 
     def install(self, present: Sequence[float]) -> None:
         """Hand the reduced slices to ``.grad`` (``present``: the reduced flags, as floats)."""
         for index, param in enumerate(self.params):
-            if present[index] > 0:
-                start = self.offsets[index]
-                param.grad = self.buffer[start : start + self.numels[index]].view_as(param)
-            else:
-                param.grad = None
+            param.grad = self._views[index] if present[index] > 0 else None
         self.buffer, self.work = None, None
 
 
