@@ -12,8 +12,10 @@ It prints samples/s, ratios, memory per rank and each step's time split at Light
 (``training_step``, ``backward``, the rest), and writes them to ``--out`` (JSON). On a
 shared machine a single run of each varies by 10%: ``--repeats R`` runs the configurations R
 times in turn and takes the median of each.
+On CPU ElasticPipelineStrategy keeps host memory freed by a step for the next
+(``reuse_host_memory``); ``--baselines-keep-freed-memory`` gives the baselines the same setting.
 Usage: python benchmarks/pipeline_static.py [--nprocs 2] [--steps 12] [--repeats 1] [--configs ddp,pipe_k1,pipe_k2,single]
-[--out results/pipeline_static.json]
+[--baselines-keep-freed-memory] [--out results/pipeline_static.json]
 """
 
 from __future__ import annotations
@@ -71,6 +73,10 @@ def worker(args: argparse.Namespace) -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     config = args.worker
+    if args.baselines_keep_freed_memory and not config.startswith("pipe_k"):
+        from lightning_pipetx.strategy.host_memory import keep_freed_memory
+
+        keep_freed_memory()  # what ElasticPipelineStrategy(reuse_host_memory="auto") does on CPU
     if config == "ddp":
         strategy, replicas = "ddp", world
     elif config == "single":
@@ -167,6 +173,11 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=192)
     parser.add_argument("--img-size", type=int, default=64)
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
+    parser.add_argument(
+        "--baselines-keep-freed-memory",
+        action="store_true",
+        help="give ddp and single the host allocator setting ours applies on CPU (reuse_host_memory)",
+    )
     parser.add_argument("--out", default="results/pipeline_static.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result-dir", help=argparse.SUPPRESS)

@@ -13,7 +13,9 @@ Prints samples/s of each (timed steps after warm-up, the slowest rank's) and the
 ours / torch per schedule; writes JSON. On a shared 2-core machine one run of each varies by
 10%: ``--repeats R`` runs the configurations R times in turn and compares medians, with the
 ratio of every round beside it.
-Usage: python benchmarks/pipelining_peer.py [--nprocs 2] [--steps 12] [--repeats 1]
+On CPU ours keeps host memory freed by a step for the next (``reuse_host_memory``);
+``--baselines-keep-freed-memory`` gives torch's loop the same setting.
+Usage: python benchmarks/pipelining_peer.py [--nprocs 2] [--steps 12] [--repeats 1] [--baselines-keep-freed-memory]
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ def torch_worker(args: argparse.Namespace, schedule_name: str) -> None:
     from torch import nn
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+    if args.baselines_keep_freed_memory:
+        from lightning_pipetx.strategy.host_memory import keep_freed_memory
+
+        keep_freed_memory()  # what ElasticPipelineStrategy(reuse_host_memory="auto") does on CPU
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     vit = pipeline_static.build_module(args).model
@@ -99,6 +105,11 @@ def main() -> None:
     parser.add_argument("--accelerator", default="cpu", choices=["cpu"])
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--repeats", type=int, default=1, help="runs of each configuration, in turn (median)")
+    parser.add_argument(
+        "--baselines-keep-freed-memory",
+        action="store_true",
+        help="give torch.distributed.pipelining the host allocator setting ours applies on CPU (reuse_host_memory)",
+    )
     parser.add_argument("--out", default="results/pipelining_peer.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result-dir", help=argparse.SUPPRESS)

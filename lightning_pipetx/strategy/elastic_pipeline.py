@@ -26,7 +26,7 @@ from lightning_pipetx.strategy.checkpoint import atomic_save, gather_optimizer_s
 from lightning_pipetx.strategy.dataloading import stable_shards
 from lightning_pipetx.strategy.engine import PipelineEngine
 from lightning_pipetx.strategy.failure import FailureAgreement, explain_training_outputs, restore_after_failure
-from lightning_pipetx.strategy.host_memory import keep_freed_memory
+from lightning_pipetx.strategy.host_memory import reuse_for_training
 from lightning_pipetx.strategy.lightning_compat import (
     check_lightning_internals,
     clip_norm_over_stages,
@@ -268,14 +268,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             self._optimizer_state_to(self.root_device)
-            self._keep_freed_host_memory()
-
-    def _keep_freed_host_memory(self) -> None:
-        wanted = self.reuse_host_memory
-        if wanted == "auto":
-            wanted = self.root_device.type == "cpu"
-        if wanted and keep_freed_memory() and self.is_global_zero:
-            log.info("pipetx: host memory freed by a training step is kept for the next (reuse_host_memory)")
+            if reuse_for_training(self.reuse_host_memory, self.root_device) and self.is_global_zero:
+                log.info("pipetx: host memory freed by a training step is kept for the next (reuse_host_memory)")
 
     def _optimizer_state_to(self, device: torch.device) -> None:
         for optimizer in self.optimizers:

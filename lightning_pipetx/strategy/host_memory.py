@@ -19,6 +19,8 @@ import ctypes
 import ctypes.util
 import sys
 
+import torch
+
 # mallopt(3) parameters, and the largest values glibc accepts for them (an int; the mmap
 # threshold is at most half of a heap's 64 MB on 64-bit systems).
 M_TRIM_THRESHOLD = -1
@@ -50,3 +52,10 @@ def keep_freed_memory() -> bool:
     mmap_set = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
     trim_set = libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
     return bool(mmap_set) and bool(trim_set)
+
+
+def reuse_for_training(reuse: bool | str, device: torch.device) -> bool:
+    """Apply ``ElasticPipelineStrategy(reuse_host_memory=...)`` for training on ``device``
+    (``"auto"``: on CPU); returns whether freed memory is now kept."""
+    wanted = device.type == "cpu" if reuse == "auto" else reuse
+    return wanted and keep_freed_memory()
