@@ -56,7 +56,7 @@ def worker(args: argparse.Namespace) -> None:
     callbacks: list[Callback] = []
     if config == "full":
         length = args.pipeline_length if args.pipeline_length == "auto" else int(args.pipeline_length)
-        options = {"alpha": args.alpha, "min_active_blocks": args.min_active_blocks}
+        options = {"alpha": args.alpha, "min_active_blocks": args.min_active_blocks, "warmup_epochs": args.warmup_epochs}
         if args.guard_tolerance is not None:  # the guard: no more freezing once validation accuracy degrades
             options.update(monitor="val_acc", mode="max", tolerance=args.guard_tolerance)
         freeze = FreezeCallback(**{name: value for name, value in options.items() if value is not None})
@@ -258,6 +258,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--min-active-blocks", type=int, default=None, help="the full system's FreezeCallback min_active_blocks"
+    )
+    parser.add_argument(
+        "--warmup-epochs", type=int, default=None, help="the full system's FreezeCallback warmup_epochs"
     )
     parser.add_argument(
         "--guard-tolerance",

@@ -203,6 +203,9 @@ class GradNormProbe(Callback):
         (dict(freeze_interval=1.5), "freeze_interval"),
         (dict(freeze_interval="2"), "freeze_interval"),
         (dict(freeze_interval=True), "freeze_interval"),
+        (dict(warmup_epochs=-1), "warmup_epochs"),
+        (dict(warmup_epochs=0.5), "warmup_epochs"),
+        (dict(warmup_epochs=True), "warmup_epochs"),
         (dict(min_active_blocks=True), "min_active_blocks"),
         (dict(min_active_blocks=0), "min_active_blocks"),
         (dict(min_active_blocks=2.0), "min_active_blocks"),
@@ -286,6 +289,20 @@ def test_freeze_interval_decides_every_n_epochs():
     assert probe.decisions_at_start == [0, 0, 1, 1, 2]
     assert fc.decisions == 2 and fc.frozen_blocks == 3
     assert probe.reasons[0] is None and probe.reasons[2] == probe.reasons[1]
+
+
+@pytest.mark.parametrize(
+    ("warmup_epochs", "freeze_interval", "frozen_at_start"),
+    [(1, 1, [0, 0, 2, 3, 3, 3]), (2, 1, [0, 0, 0, 2, 3, 3]), (1, 2, [0, 0, 0, 2, 2, 3])],
+)
+def test_warmup_epochs_delays_the_first_decision(warmup_epochs, freeze_interval, frozen_at_start):
+    fc = FreezeCallback(alpha=1 / 3, freeze_interval=freeze_interval, warmup_epochs=warmup_epochs, signal="schedule")
+    probe = EpochProbe(fc)
+    make_trainer([fc, probe], max_epochs=6).fit(seq_module(), seq_loader())
+    # The first decision ends the first interval after the warm-up; L = 4, alpha 1/3: 2, then 3 (the cap).
+    assert probe.frozen_at_start == frozen_at_start
+    assert probe.decisions_at_start[warmup_epochs + freeze_interval - 1] == 0
+    assert probe.decisions_at_start[warmup_epochs + freeze_interval] == 1
 
 
 def test_freeze_interval_accumulates_gradient_norms_over_the_interval():

@@ -41,6 +41,8 @@ class FreezeCallback(Callback):
         alpha: progression bound in (0, 1]: at most ``ceil(alpha * active)`` more blocks
             freeze per decision.
         freeze_interval: epochs between decisions.
+        warmup_epochs: epochs trained before the first decision's interval begins (0: the
+            first decision ends the first ``freeze_interval`` epochs).
         min_active_blocks: never freeze more than ``L - min_active_blocks`` blocks.
         signal: ``"grad_norm"`` (both terms of the rule) or ``"schedule"`` (the closed form
             ``ceil(L * (1 - (1 - alpha) ** T))`` alone).
@@ -61,6 +63,7 @@ class FreezeCallback(Callback):
         self,
         alpha: float = 1 / 3,
         freeze_interval: int = 1,
+        warmup_epochs: int = 0,
         min_active_blocks: int = 1,
         signal: str = "grad_norm",
         blocks: str | None = None,
@@ -72,6 +75,8 @@ class FreezeCallback(Callback):
             raise ValueError(f"FreezeCallback(alpha={alpha}): alpha must be in (0, 1], e.g. 1/3.")
         if not isinstance(freeze_interval, int) or isinstance(freeze_interval, bool) or freeze_interval < 1:
             raise ValueError(f"FreezeCallback(freeze_interval={freeze_interval!r}): use a whole number >= 1.")
+        if not isinstance(warmup_epochs, int) or isinstance(warmup_epochs, bool) or warmup_epochs < 0:
+            raise ValueError(f"FreezeCallback(warmup_epochs={warmup_epochs!r}): use a whole number >= 0.")
         if not isinstance(min_active_blocks, int) or isinstance(min_active_blocks, bool) or min_active_blocks < 1:
             raise ValueError(
                 f"FreezeCallback(min_active_blocks={min_active_blocks!r}): use a whole number >= 1; "
@@ -81,6 +86,7 @@ class FreezeCallback(Callback):
             raise ValueError(f"FreezeCallback(signal={signal!r}): choose one of {_SIGNALS}.")
         self.alpha = alpha
         self.freeze_interval = freeze_interval
+        self.warmup_epochs = warmup_epochs
         self.min_active_blocks = min_active_blocks
         self.signal = signal
         self.blocks = blocks
@@ -236,8 +242,12 @@ class FreezeCallback(Callback):
                 pl_module.log(f"pipetx/{name}", value, on_step=False, on_epoch=True, sync_dist=True)
         if self.guard is not None and not self.guard.stopped:
             self._watch(trainer)
-        if (trainer.current_epoch + 1) % self.freeze_interval == 0 and not (self.guard and self.guard.stopped):
+        if self._decides_after(trainer.current_epoch) and not (self.guard and self.guard.stopped):
             self._decide(trainer)
+
+    def _decides_after(self, epoch: int) -> bool:
+        trained = epoch + 1 - self.warmup_epochs
+        return trained > 0 and trained % self.freeze_interval == 0
 
     def _watch(self, trainer: pl.Trainer) -> None:
         """The guard: stop freezing, on every rank alike, once the monitored metric degraded."""
