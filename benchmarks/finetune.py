@@ -8,7 +8,11 @@ split reported at the end) with the LightningModule and DataModule of
 * ``plain``: plain Lightning on one device (on CPU: one process using every core given);
 * ``ddp``: Lightning's own DDP on ``--nprocs`` processes, no freezing (what users run today);
 * ``pipe``: a static pipeline of ``--nprocs`` stages, no freezing (the paper's baseline);
-* ``full``: the full system with its defaults: ``ElasticPipelineStrategy()`` and ``FreezeCallback()``.
+* ``full``: the full system with its defaults: ``ElasticPipelineStrategy()`` and ``FreezeCallback()``;
+* ``ddp_reseeded`` (not run unless asked for): ``ddp`` with torch's random stream reseeded when
+  epoch 1 starts. Its epoch 0 is ``ddp``'s; from then on it draws other dropout masks, as a run
+  whose blocks froze does. Its difference from ``ddp`` is how far the final accuracy moves when
+  the trajectory diverges and nothing else changes (the noise of a paired comparison).
 
 Each for every ``--seeds``. Prints wall time (fit, validation included), its ratio against
 ``ddp`` and ``plain`` of the same run, the time to reach ``ddp``'s final validation accuracy,
@@ -33,7 +37,8 @@ from pathlib import Path
 
 from _launch import launch
 
-CONFIGS = ("plain", "ddp", "pipe", "full")
+CONFIGS = ("plain", "ddp", "pipe", "full", "ddp_reseeded")
+DEFAULT_CONFIGS = CONFIGS[:4]
 # Both sizes train 6 epochs (the issue's GPU measurement did): freezing pays in the epochs after
 # the first, so fewer epochs favour DDP (4 epochs of the small size: 1.6-1.8x, README).
 SMALL = {"train": 1200, "val": 400, "max_length": 48, "epochs": 6, "batch": 32}
@@ -56,7 +61,11 @@ def worker(args: argparse.Namespace) -> None:
     callbacks: list[Callback] = []
     if config == "full":
         length = args.pipeline_length if args.pipeline_length == "auto" else int(args.pipeline_length)
-        options = {"alpha": args.alpha, "min_active_blocks": args.min_active_blocks, "warmup_epochs": args.warmup_epochs}
+        options = {
+            "alpha": args.alpha,
+            "min_active_blocks": args.min_active_blocks,
+            "warmup_epochs": args.warmup_epochs,
+        }
         if args.guard_tolerance is not None:  # the guard: no more freezing once validation accuracy degrades
             options.update(monitor="val_acc", mode="max", tolerance=args.guard_tolerance)
         freeze = FreezeCallback(**{name: value for name, value in options.items() if value is not None})
@@ -64,7 +73,7 @@ def worker(args: argparse.Namespace) -> None:
     elif config == "pipe":
         strategy = ElasticPipelineStrategy(pipeline_length=world, elastic=False, cache=False)
     else:
-        strategy = "ddp" if config == "ddp" else "auto"
+        strategy = "ddp" if config.startswith("ddp") else "auto"
 
     class Curve(Callback):
         """Seconds since fit started, validation accuracy and AutoCache's hit rate at the end of every epoch."""
@@ -93,6 +102,7 @@ def worker(args: argparse.Namespace) -> None:
                 {
                     "seconds": time.perf_counter() - self.start,
                     "val_acc": float(trainer.callback_metrics["val_acc"]),
+                    "val_loss": _metric(trainer, "val_loss"),
                     "frozen": self.frozen,
                     "layout": self.layout,
                     "cache_hit_rate": _metric(trainer, "pipetx/cache_hit_rate"),  # at the epoch's whole depth
@@ -104,7 +114,15 @@ def worker(args: argparse.Namespace) -> None:
                 }
             )
 
+    class Reseed(Callback):
+        """ddp_reseeded: another random stream from epoch 1 on (the data order stays the sampler's)."""
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            if trainer.current_epoch == 1:
+                torch.manual_seed(args.seed + 1000)
+
     curve = Curve()
+    extra = [Reseed()] if config == "ddp_reseeded" else []
     if config == "full" and args.report:
         from lightning_pipetx.callbacks.report import EpochReport
 
@@ -115,7 +133,7 @@ def worker(args: argparse.Namespace) -> None:
         strategy=strategy,
         max_epochs=args.epochs,
         precision=args.precision,
-        callbacks=[*callbacks, curve],
+        callbacks=[*callbacks, *extra, curve],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -232,7 +250,7 @@ def main() -> None:
     size.add_argument("--full", action="store_true", help="the whole data set (for a GPU)")
     parser.add_argument("--nprocs", type=int, default=2)
     parser.add_argument("--seeds", default="0,1")
-    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"of {','.join(CONFIGS)}")
     parser.add_argument("--train", type=int, default=None, help="training samples (default: by size)")
     parser.add_argument("--val", type=int, default=None, help="validation samples (default: by size)")
     parser.add_argument(
@@ -297,13 +315,13 @@ def main() -> None:
 
     table = summarize(runs)
     print(
-        f"\n{'config':<6} {'wall s':>8} {'vs ddp':>7} {'vs plain':>9} {'ideal':>6} {'to ddp acc s':>13} "
+        f"\n{'config':<12} {'wall s':>8} {'vs ddp':>7} {'vs plain':>9} {'ideal':>6} {'to ddp acc s':>13} "
         f"{'final acc':>9} {'best acc':>9} {'test acc':>9}  frozen / layout per epoch"
     )
     for config, row in table.items():
         to_acc = row.get("seconds_to_ddp_acc")
         print(
-            f"{config:<6} {row['wall_seconds']:>8.1f} {row.get('speedup_vs_ddp', float('nan')):>6.2f}x "
+            f"{config:<12} {row['wall_seconds']:>8.1f} {row.get('speedup_vs_ddp', float('nan')):>6.2f}x "
             f"{row.get('speedup_vs_plain', float('nan')):>8.2f}x {row['ideal_speedup_vs_unfrozen']:>5.2f}x "
             f"{'never' if to_acc is None else f'{to_acc:.1f}':>13} {row['final_val_acc']:>9.4f} "
             f"{row['best_val_acc']:>9.4f} {row['test_acc']:>9.4f}  "

@@ -22,7 +22,7 @@ def test_the_demo_command_compares_ddp_and_the_full_system(tmp_path):
     command = [
         sys.executable,
         str(REPO / "benchmarks" / "finetune.py"),
-        "--configs=ddp,full",
+        "--configs=ddp,full,ddp_reseeded",
         "--seeds=0",
         "--train=64",
         "--val=32",
@@ -54,3 +54,8 @@ def test_the_demo_command_compares_ddp_and_the_full_system(tmp_path):
         assert 0.0 <= row["final_val_acc"] <= 1.0 and 0.0 <= row["test_acc"] <= 1.0
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "report" / "timeline.json").exists()
+    # The noise control: DDP's epoch 0 to the bit, then another random stream (other dropout masks).
+    ddp_curve, reseeded_curve = summary["runs"]["ddp"][0]["epochs"], summary["runs"]["ddp_reseeded"][0]["epochs"]
+    assert reseeded_curve[0]["val_loss"] == ddp_curve[0]["val_loss"]
+    assert reseeded_curve[1]["val_loss"] != ddp_curve[1]["val_loss"]
+    assert summary["table"]["ddp_reseeded"]["frozen_per_epoch"] == [0, 0]
