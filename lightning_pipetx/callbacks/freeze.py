@@ -25,6 +25,11 @@ log = logging.getLogger("lightning_pipetx")
 _SIGNALS = ("grad_norm", "schedule")
 
 
+def _check_whole(name: str, value: object, minimum: int, why: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"FreezeCallback({name}={value!r}): use a whole number >= {minimum}{why}.")
+
+
 class FreezeCallback(Callback):
     """Freeze a growing prefix of the model's blocks between epochs (PipeTransformer's rule).
 
@@ -42,7 +47,8 @@ class FreezeCallback(Callback):
             freeze per decision.
         freeze_interval: epochs between decisions.
         warmup_epochs: epochs trained before the first decision's interval begins (0: the
-            first decision ends the first ``freeze_interval`` epochs).
+            first decision ends the first ``freeze_interval`` epochs); the first decision's
+            gradient norms are averaged over the warm-up too.
         min_active_blocks: never freeze more than ``L - min_active_blocks`` blocks.
         signal: ``"grad_norm"`` (both terms of the rule) or ``"schedule"`` (the closed form
             ``ceil(L * (1 - (1 - alpha) ** T))`` alone).
@@ -73,15 +79,9 @@ class FreezeCallback(Callback):
     ) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"FreezeCallback(alpha={alpha}): alpha must be in (0, 1], e.g. 1/3.")
-        if not isinstance(freeze_interval, int) or isinstance(freeze_interval, bool) or freeze_interval < 1:
-            raise ValueError(f"FreezeCallback(freeze_interval={freeze_interval!r}): use a whole number >= 1.")
-        if not isinstance(warmup_epochs, int) or isinstance(warmup_epochs, bool) or warmup_epochs < 0:
-            raise ValueError(f"FreezeCallback(warmup_epochs={warmup_epochs!r}): use a whole number >= 0.")
-        if not isinstance(min_active_blocks, int) or isinstance(min_active_blocks, bool) or min_active_blocks < 1:
-            raise ValueError(
-                f"FreezeCallback(min_active_blocks={min_active_blocks!r}): use a whole number >= 1; "
-                f"at least one block must stay trainable."
-            )
+        _check_whole("freeze_interval", freeze_interval, 1)
+        _check_whole("warmup_epochs", warmup_epochs, 0)
+        _check_whole("min_active_blocks", min_active_blocks, 1, "; at least one block must stay trainable")
         if signal not in _SIGNALS:
             raise ValueError(f"FreezeCallback(signal={signal!r}): choose one of {_SIGNALS}.")
         self.alpha = alpha
