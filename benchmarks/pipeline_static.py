@@ -63,6 +63,23 @@ def build_module(args: argparse.Namespace):
     return Classifier()
 
 
+def add_keep_freed_memory_option(parser: argparse.ArgumentParser, baselines: str) -> None:
+    parser.add_argument(
+        "--baselines-keep-freed-memory",
+        action="store_true",
+        help=f"give {baselines} the host allocator setting ours applies on CPU (reuse_host_memory)",
+    )
+
+
+def keep_freed_memory_if_asked(args: argparse.Namespace) -> None:
+    """With --baselines-keep-freed-memory, give a baseline's process what
+    ElasticPipelineStrategy(reuse_host_memory="auto") does on CPU."""
+    if args.baselines_keep_freed_memory:
+        from lightning_pipetx.strategy.host_memory import keep_freed_memory
+
+        keep_freed_memory()
+
+
 def worker(args: argparse.Namespace) -> None:
     import lightning.pytorch as pl
     import torch
@@ -73,10 +90,8 @@ def worker(args: argparse.Namespace) -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     config = args.worker
-    if args.baselines_keep_freed_memory and not config.startswith("pipe_k"):
-        from lightning_pipetx.strategy.host_memory import keep_freed_memory
-
-        keep_freed_memory()  # what ElasticPipelineStrategy(reuse_host_memory="auto") does on CPU
+    if not config.startswith("pipe_k"):
+        keep_freed_memory_if_asked(args)
     if config == "ddp":
         strategy, replicas = "ddp", world
     elif config == "single":
@@ -173,11 +188,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=192)
     parser.add_argument("--img-size", type=int, default=64)
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
-    parser.add_argument(
-        "--baselines-keep-freed-memory",
-        action="store_true",
-        help="give ddp and single the host allocator setting ours applies on CPU (reuse_host_memory)",
-    )
+    add_keep_freed_memory_option(parser, "ddp and single")
     parser.add_argument("--out", default="results/pipeline_static.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result-dir", help=argparse.SUPPRESS)

@@ -41,10 +41,7 @@ def torch_worker(args: argparse.Namespace, schedule_name: str) -> None:
     from torch import nn
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    if args.baselines_keep_freed_memory:
-        from lightning_pipetx.strategy.host_memory import keep_freed_memory
-
-        keep_freed_memory()  # what ElasticPipelineStrategy(reuse_host_memory="auto") does on CPU
+    pipeline_static.keep_freed_memory_if_asked(args)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     vit = pipeline_static.build_module(args).model
@@ -105,11 +102,7 @@ def main() -> None:
     parser.add_argument("--accelerator", default="cpu", choices=["cpu"])
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--repeats", type=int, default=1, help="runs of each configuration, in turn (median)")
-    parser.add_argument(
-        "--baselines-keep-freed-memory",
-        action="store_true",
-        help="give torch.distributed.pipelining the host allocator setting ours applies on CPU (reuse_host_memory)",
-    )
+    pipeline_static.add_keep_freed_memory_option(parser, "torch.distributed.pipelining")
     parser.add_argument("--out", default="results/pipelining_peer.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result-dir", help=argparse.SUPPRESS)
