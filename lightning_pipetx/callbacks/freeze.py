@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.utils import get_total_norm
 
 from lightning_pipetx.blocks import BlockSplit, find_blocks
 from lightning_pipetx.callbacks.freeze_guard import FreezeGuard
@@ -210,9 +211,8 @@ class FreezeCallback(Callback):
                 if norms is None:
                     device = grads[0].device
                     norms = torch.zeros(len(self._norm_sums), dtype=torch.float64, device=device)
-                norms[index] = torch.linalg.vector_norm(
-                    torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads])
-                ).to(torch.float64)
+                # one multi-tensor kernel per block on a GPU, not one per parameter
+                norms[index] = get_total_norm([g.detach().float() for g in grads]).to(torch.float64)
         if norms is None:
             return
         finite = torch.isfinite(norms).all()  # skip steps that overflowed (fp16 loss scaling)
@@ -316,7 +316,8 @@ class FreezeCallback(Callback):
     def _set_prefix_eval(self) -> None:
         if self._split is not None:
             for module in self._split.prefix_modules(self.frozen_blocks):
-                module.eval()
+                if module.training:  # Lightning's module.train() reaches every submodule
+                    module.eval()
 
     # -------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
