@@ -12,6 +12,7 @@ except by an unlikely coincidence. It is a check, not a cryptographic hash.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ import torch
 from lightning_pipetx.strategy.microbatch import _tensors
 
 
+@functools.lru_cache(maxsize=32)
 def _weights(length: int, device: torch.device) -> torch.Tensor:
     return torch.linspace(1.0, 2.0, length, dtype=torch.float64, device=device)
 
@@ -26,16 +28,22 @@ def _weights(length: int, device: torch.device) -> torch.Tensor:
 def sample_fingerprints(batch: Any, size: int, device: torch.device | None = None) -> torch.Tensor:
     """One float64 per sample, from every tensor of ``batch`` whose first dimension is ``size``.
 
-    The result lives on ``device`` (default: the device of the batch's first tensor).
+    The result lives on ``device`` (default: the device of the batch's first tensor). The
+    tensors are joined per sample first (one join per dtype), so a batch costs a few operators,
+    however many tensors it holds.
     """
-    tensors = [t for t in _tensors(batch) if t.dim() > 0 and t.shape[0] == size]
+    tensors = [t.detach().reshape(size, -1) for t in _tensors(batch) if t.dim() > 0 and t.shape[0] == size]
     if device is None:
         device = tensors[0].device if tensors else torch.device("cpu")
-    result = torch.zeros(size, dtype=torch.float64, device=device)
+    if not tensors:
+        return torch.zeros(size, dtype=torch.float64, device=device)
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for tensor in tensors:
-        flat = tensor.detach().reshape(size, -1).to(device, torch.float64)
-        result += flat @ _weights(flat.shape[1], device) + flat.shape[1]
-    return result
+        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    flat = torch.cat([torch.cat(group, dim=1).to(device, torch.float64) for group in groups.values()], dim=1)
+    # the widths, each weighted by its tensor's position: a change of shape changes the sum
+    shape_term = sum((position + 1) * t.shape[1] for position, t in enumerate(tensors))
+    return flat @ _weights(flat.shape[1], device) + shape_term
 
 
 def batch_fingerprint(batch: Any, device: torch.device | None = None) -> torch.Tensor:
