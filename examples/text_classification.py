@@ -142,6 +142,8 @@ class TextClassifier(pl.LightningModule):
         lr: peak learning rate; None: 1e-4 for a pretrained model, 1e-3 for the tiny one.
         weight_decay: AdamW weight decay (not applied to biases and norms).
         warmup_ratio: fraction of the training steps with a linear LR warm-up; linear decay after.
+        fused: AdamW's fused kernel; None: where the weights are on a GPU (Hugging Face's Trainer
+            defaults to it with torch >= 2.8), torch's default elsewhere.
     """
 
     def __init__(
@@ -154,6 +156,7 @@ class TextClassifier(pl.LightningModule):
         lr: float | None = None,
         weight_decay: float = 0.01,
         warmup_ratio: float = 0.1,
+        fused: bool | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -207,6 +210,8 @@ class TextClassifier(pl.LightningModule):
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=hparams.lr or (1e-3 if model_dir(hparams.pretrained) is None else 1e-4),
+            # None, not False: False would also turn off torch's default multi-tensor path
+            fused=(self.device.type == "cuda" if hparams.fused is None else hparams.fused) or None,
         )
         total = max(1, self.trainer.estimated_stepping_batches)
         warmup = max(1, math.ceil(hparams.warmup_ratio * total))
