@@ -61,14 +61,25 @@ def test_backward_hooks_fire_on_every_rank_and_the_summary_counts_every_weight(t
         assert report["summary_parameters"] == full_size  # released blocks keep their sizes
 
 
-def test_fp16_loss_scaling_agrees_across_stages(tmp_path):
-    # The first gradient of a block on stage 0 overflows: every rank must skip that step.
-    run_workers("recipes_worker.py", 2, str(tmp_path), "fp16")
-    expected = fp16_reference()
-    assert [r["scale"] for r in _reports(tmp_path, "fp16")] == [expected["scale"]] * 2
-    state = torch.load(tmp_path / "fp16.pt", weights_only=True)["state"]
+@pytest.mark.parametrize("mode", ["fp16", "fp16_fused_replicas"])
+def test_fp16_loss_scaling_agrees_across_stages(mode, tmp_path):
+    # The first gradient of a block overflows: every rank must skip that step. fp16: a 2-stage
+    # pipeline, AdamW; fp16_fused_replicas: a fused AdamW (it unscales inside its own step) on 2
+    # replicas, whose reduced gradients overflow together.
+    run_workers("recipes_worker.py", 2, str(tmp_path), mode)
+    expected = fp16_reference("adamw" if mode == "fp16" else "adamw_fused")
+    assert [r["scale"] for r in _reports(tmp_path, mode)] == [expected["scale"]] * 2
+    state = torch.load(tmp_path / f"{mode}.pt", weights_only=True)["state"]
     for key, value in expected["state"].items():
         torch.testing.assert_close(state[key], value, atol=2e-3, rtol=1e-2, msg=key)
+
+
+def test_fp16_with_a_fused_optimizer_under_a_pipeline_is_refused(tmp_path):
+    # Each stage would check only its own gradients for an overflow inside the fused step.
+    output = run_workers("recipes_worker.py", 2, str(tmp_path), "fp16_fused", expect_failure=True)
+    for rank in (0, 1):
+        assert f"[rank{rank}]: lightning_pipetx.strategy.loss_scaling.OverflowAgreementError: " in output
+    assert "AdamW(fused=True) under a 2-stage pipeline" in output and "precision='bf16-mixed'" in output
 
 
 @pytest.mark.parametrize("mode", ["random_collate", "own_sampler"])

@@ -32,7 +32,7 @@ from lightning_pipetx.strategy.lightning_compat import (
     clip_norm_over_stages,
     restore_clipping,
 )
-from lightning_pipetx.strategy.loss_scaling import agreeing_scaler
+from lightning_pipetx.strategy.loss_scaling import agreeing_scaler, refuse_unagreed_overflow
 from lightning_pipetx.strategy.model_checks import CollectedOutputChecks, UnsupportedOutputsError
 from lightning_pipetx.strategy.output_relay import EvalMetricGroups
 from lightning_pipetx.strategy.param_store import ParamStore
@@ -259,6 +259,7 @@ class ElasticPipelineStrategy(DDPStrategy):
             # configure_optimizers sees every weight as one process would (it may group them by
             # shape or read them); the blocks this rank does not run are released after it.
             self.setup_optimizers(trainer)
+            refuse_unagreed_overflow(self.optimizers, scaler, plan.layout.pipeline_length)
         self.engine = self._build_engine(plan)
         self.engine.profile_steps = self.profile_steps
         drop_optimizer_state(self._split.blocks, self.optimizers, self.engine.block_range)

@@ -11,6 +11,8 @@ without any gradient, so every rank steps or skips together and the scales stay 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -32,3 +34,30 @@ def agreeing_scaler(scaler: torch.amp.GradScaler, device: torch.device) -> Shard
         scaler = agreeing
     scaler.scale(torch.zeros((), device=device))
     return scaler
+
+
+class OverflowAgreementError(ValueError):
+    """``precision="16-mixed"`` with an optimizer whose step checks the gradients for an
+    overflow by itself, under a pipeline: the stages could not agree on skipping a step."""
+
+
+def refuse_unagreed_overflow(optimizers: list[torch.optim.Optimizer], scaler: Any, pipeline_length: int) -> None:
+    """Refuse a loss scaler with an optimizer that unscales inside its own step (a fused AdamW,
+    for example) when more than one stage holds the gradients.
+
+    Lightning leaves such an optimizer's overflow check to ``scaler.step``, where each rank sees
+    its own stage's gradients only: a stage that overflowed would skip a step the others take.
+    The agreeing scaler cannot decide for it (torch's sharded scaler does not work with fused
+    optimizers). Replicas hold the same reduced gradients, so ``pipeline_length=1`` is safe."""
+    if scaler is None or pipeline_length <= 1:
+        return
+    for optimizer in optimizers:
+        if getattr(optimizer, "_step_supports_amp_scaling", False):  # what torch's GradScaler checks
+            name = type(optimizer).__name__
+            raise OverflowAgreementError(
+                f"precision='16-mixed' with {name}(fused=True) under a {pipeline_length}-stage pipeline: the "
+                f"optimizer checks the gradients for an overflow inside its own step, where each stage sees only "
+                f"its own gradients, so one stage could skip a step that the others take. Create the optimizer "
+                f"without fused=True, use precision='bf16-mixed', or pass "
+                f"ElasticPipelineStrategy(pipeline_length=1)."
+            )

@@ -28,6 +28,8 @@ class _Predicting:
             vectors = [p for p in self.parameters() if p.dim() < 2]
             groups = [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}]
             return torch.optim.AdamW(groups, lr=self.hparams.lr, eps=1e-6)
+        if self.optimizer_name == "adamw_fused":  # steps with the loss scale inside its kernel under fp16
+            return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, eps=1e-6, fused=True)
         if self.optimizer_name == "sgd":
             return torch.optim.SGD(self.parameters(), lr=self.hparams.lr * 100, momentum=0.9)
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, eps=1e-6)

@@ -92,8 +92,8 @@ def scheduled_reference() -> dict[str, torch.Tensor]:
     return {"state": module.state_dict(), "estimated_steps": module.estimated_steps}
 
 
-def fp16_module() -> pl.LightningModule:
-    module = build_case_module({"model": "bert", "lr": 1e-3})
+def fp16_module(optimizer: str = "adamw") -> pl.LightningModule:
+    module = build_case_module({"model": "bert", "lr": 1e-3, "optimizer": optimizer})
     first_block = module.model.bert.encoder.layer[0]
     first_block.output.dense.weight.register_hook(_InfOnce())
     return module
@@ -116,9 +116,9 @@ def train_loader(batch_size: int, sampler=None, task: str = "bert") -> DataLoade
     return DataLoader(dataset, batch_size=batch_size, shuffle=sampler is None, sampler=sampler)
 
 
-def fp16_reference() -> dict[str, torch.Tensor]:
+def fp16_reference(optimizer: str = "adamw") -> dict[str, torch.Tensor]:
     """The fp16 run in one process, on the same global batches."""
-    module = fp16_module()
+    module = fp16_module(optimizer)
     dataset = TASKS["bert"].dataset(size=32, seed=1)
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
     trainer = pl.Trainer(

@@ -1,6 +1,6 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline); rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | random_collate | own_sampler | hidden_states | intermediates | scheduled)
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled)
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do) and
 "own_sampler" turns Lightning's distributed sampler off: both give the two stages different
@@ -43,19 +43,22 @@ def main() -> None:
     module = {
         "hooks": hook_counting_module,
         "fp16": fp16_module,
+        "fp16_fused": lambda: fp16_module("adamw_fused"),
+        "fp16_fused_replicas": lambda: fp16_module("adamw_fused"),
         "hidden_states": hidden_states_module,
         "intermediates": intermediates_module,
         "scheduled": scheduled_module,
     }.get(mode, hook_counting_module)()
     summary = SummaryAtFitStart()
+    length = 1 if mode == "fp16_fused_replicas" else 2
     # The refused outputs are refused on the first stage only (the last one waits for its hidden
     # state): the ranks agree on the failure within a third of this timeout.
     timeout = timedelta(seconds=30 if mode in ("hidden_states", "intermediates") else 1800)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=ElasticPipelineStrategy(pipeline_length=2, num_microbatches=2, timeout=timeout),
-        plugins=[fp16_plugin()] if mode == "fp16" else None,
+        strategy=ElasticPipelineStrategy(pipeline_length=length, num_microbatches=2, timeout=timeout),
+        plugins=[fp16_plugin()] if mode.startswith("fp16") else None,
         use_distributed_sampler=mode != "own_sampler",
         max_steps=-1 if mode == "scheduled" else STEPS,
         max_epochs=2 if mode == "scheduled" else None,
@@ -66,7 +69,9 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    loader = train_loader(GLOBAL_BATCH, task="timm_vit" if mode == "intermediates" else "bert")
+    # the loader's batch is per replica, as under DDP: the global batch is GLOBAL_BATCH on either layout
+    batch = GLOBAL_BATCH // 2 if length == 1 else GLOBAL_BATCH
+    loader = train_loader(batch, task="timm_vit" if mode == "intermediates" else "bert")
     if mode == "random_collate":
         loader = torch.utils.data.DataLoader(loader.dataset, batch_size=GLOBAL_BATCH, collate_fn=random_masking)
     trainer.fit(module, loader)
