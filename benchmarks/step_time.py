@@ -138,17 +138,14 @@ def worker(args: argparse.Namespace) -> None:
                 self.result["step_ms"] = 1e3 * (self.clean_end - self.started) / self.steps
                 self.result["steps"] = self.steps
             if epoch == self.last_epoch:
-                self.result["cprofile_step_ms"] = (
-                    1e3 * (self.cpu_end - self.cpu_started) / (self.steps - self.device_steps)
-                )
+                seconds, profiled_steps = self.cpu_end - self.cpu_started, self.steps - self.device_steps
+                self.result["cprofile_step_ms"] = 1e3 * seconds / profiled_steps
                 stats = pstats.Stats(self.cpu_profile)
                 packages, ours = host_time_by_package(stats)
-                profiled_steps = self.steps - self.device_steps
                 self.result["host_ms_by_package"] = {k: 1e3 * v / profiled_steps for k, v in packages.most_common()}
                 self.result["lightning_pipetx_ms_by_function"] = {
                     k: 1e3 * v / profiled_steps for k, v in ours.most_common(12)
                 }
-                seconds = self.cpu_end - self.cpu_started
                 self.result["largest_parts_ms"] = {
                     k: 1e3 * v / profiled_steps for k, v in largest_parts(stats, seconds).items()
                 }
@@ -207,7 +204,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default="ddp,full")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"of {','.join(CONFIGS)}")
     parser.add_argument("--train", type=int, default=4096, help="training snippets (the steps per epoch)")
     parser.add_argument("--val", type=int, default=512)
     parser.add_argument("--epochs", type=int, default=6)
@@ -228,6 +225,8 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.epochs < 2:
+        parser.error("--epochs must be at least 2: the next-to-last epoch is timed, the last one profiled")
     if args.worker:
         worker(args)
         return

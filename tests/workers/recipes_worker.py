@@ -1,4 +1,5 @@
-"""Run a user recipe under ElasticPipelineStrategy (2-stage pipeline); rank 0 writes what it saw.
+"""Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
+rank 0 writes what it saw.
 
 Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled)
 
