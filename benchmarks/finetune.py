@@ -244,6 +244,11 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _ratio(value: float | None) -> str:
+    """A speed-up for the table; ``-`` where its baseline was not run."""
+    return "-" if value is None else f"{value:.2f}x"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     size = parser.add_mutually_exclusive_group()
@@ -323,8 +328,8 @@ def main() -> None:
     for config, row in table.items():
         to_acc = row.get("seconds_to_ddp_acc")
         print(
-            f"{config:<12} {row['wall_seconds']:>8.1f} {row.get('speedup_vs_ddp', float('nan')):>6.2f}x "
-            f"{row.get('speedup_vs_plain', float('nan')):>8.2f}x {row['ideal_speedup_vs_unfrozen']:>5.2f}x "
+            f"{config:<12} {row['wall_seconds']:>8.1f} {_ratio(row.get('speedup_vs_ddp')):>7} "
+            f"{_ratio(row.get('speedup_vs_plain')):>9} {row['ideal_speedup_vs_unfrozen']:>5.2f}x "
             f"{'never' if to_acc is None else f'{to_acc:.1f}':>13} {row['final_val_acc']:>9.4f} "
             f"{row['best_val_acc']:>9.4f} {row['test_acc']:>9.4f}  "
             + " ".join(f"{f}/{lay}" for f, lay in zip(row["frozen_per_epoch"], row["layouts"]))
