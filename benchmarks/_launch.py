@@ -33,6 +33,16 @@ def launch(script: str, config: str, nprocs: int, argv: list[str], result_dir: s
     return [json.loads(p.read_text()) for p in sorted(Path(result_dir).glob(f"{config}_rank*.json"))]
 
 
+def in_turn(configs: list[str], repeats: int) -> list[tuple[int, str]]:
+    """``(round, config)`` in the order to run them: every configuration once per round, in
+    reverse order every other round, so that a machine whose speed drifts during a round
+    favours no configuration of a pair."""
+    order = []
+    for repeat in range(repeats):
+        order += [(repeat, config) for config in (configs if repeat % 2 == 0 else configs[::-1])]
+    return order
+
+
 def write_json(path: str | Path, result: dict) -> None:
     """Write a benchmark's figures to ``path`` (folders created) and say where."""
     out = Path(path)

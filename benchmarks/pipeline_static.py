@@ -11,7 +11,7 @@ One run measures, on the same model, data and global batch, with ``--nprocs`` pr
 It prints samples/s, ratios, memory per rank and each step's time split at Lightning's hooks
 (``training_step``, ``backward``, the rest), and writes them to ``--out`` (JSON). On a
 shared machine a single run of each varies by 10%: ``--repeats R`` runs the configurations R
-times in turn and takes the median of each.
+times in turn (every other round in reverse order) and takes the median of each.
 On CPU ElasticPipelineStrategy keeps host memory freed by a step for the next
 (``reuse_host_memory``); ``--baselines-keep-freed-memory`` gives the baselines the same setting.
 Usage: python benchmarks/pipeline_static.py [--nprocs 2] [--steps 12] [--repeats 1] [--configs ddp,pipe_k1,pipe_k2,single]
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _launch import launch
+from _launch import in_turn, launch
 
 
 def build_module(args: argparse.Namespace):
@@ -202,13 +202,12 @@ def main() -> None:
     configs = args.configs.split(",") if args.configs else ["ddp", "pipe_k1", pipe, "single"]
     runs: dict[str, list] = {}
     repeats: dict[str, list[float]] = {}
-    for repeat in range(args.repeats):
-        for config in configs:
-            print(f"running {config} ({repeat + 1}/{args.repeats}) ...", flush=True)
-            with tempfile.TemporaryDirectory() as tmp:
-                runs[config] = launch(__file__, config, 0 if config == "single" else args.nprocs, argv, tmp)
-            # the slowest rank sets the pace
-            repeats.setdefault(config, []).append(min(r["samples_per_sec"] for r in runs[config]))
+    for repeat, config in in_turn(configs, args.repeats):
+        print(f"running {config} ({repeat + 1}/{args.repeats}) ...", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            runs[config] = launch(__file__, config, 0 if config == "single" else args.nprocs, argv, tmp)
+        # the slowest rank sets the pace
+        repeats.setdefault(config, []).append(min(r["samples_per_sec"] for r in runs[config]))
 
     def throughput(config: str) -> float:
         return statistics.median(repeats[config])

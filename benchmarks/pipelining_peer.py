@@ -12,7 +12,7 @@ micro-batches, AdamW), split into ``--nprocs`` stages, fixed shapes, on gloo (CP
 Prints samples/s of each (timed steps after warm-up, the slowest rank's) and the ratios
 ours / torch per schedule; writes JSON. On a shared 2-core machine one run of each varies by
 10%: ``--repeats R`` runs the configurations R times in turn and compares medians, with the
-ratio of every round beside it.
+ratio of every round beside it; every other round runs the configurations in reverse order.
 On CPU ours keeps host memory freed by a step for the next (``reuse_host_memory``);
 ``--baselines-keep-freed-memory`` gives torch's loop the same setting.
 Usage: python benchmarks/pipelining_peer.py [--nprocs 2] [--steps 12] [--repeats 1] [--baselines-keep-freed-memory]
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import pipeline_static
-from _launch import launch
+from _launch import in_turn, launch
 
 CONFIGS = ("ours_gpipe", "torch_gpipe", "ours_1f1b", "torch_1f1b")
 
@@ -123,11 +123,10 @@ def main() -> None:
     rounds: dict[str, list[float]] = {}
     configs = args.configs.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        for repeat in range(args.repeats):
-            for config in configs:
-                print(f"running {config} on {args.nprocs} processes ({repeat + 1}/{args.repeats}) ...", flush=True)
-                results = launch(__file__, config, args.nprocs, sys.argv[1:], tmp)
-                rounds.setdefault(config, []).append(min(r["samples_per_sec"] for r in results))
+        for repeat, config in in_turn(configs, args.repeats):
+            print(f"running {config} on {args.nprocs} processes ({repeat + 1}/{args.repeats}) ...", flush=True)
+            results = launch(__file__, config, args.nprocs, sys.argv[1:], tmp)
+            rounds.setdefault(config, []).append(min(r["samples_per_sec"] for r in results))
     runs = {config: statistics.median(rates) for config, rates in rounds.items()}
     pairs = [s for s in ("gpipe", "1f1b") if f"ours_{s}" in runs and f"torch_{s}" in runs]
     ratios = {s: runs[f"ours_{s}"] / runs[f"torch_{s}"] for s in pairs}
