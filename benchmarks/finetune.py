@@ -14,7 +14,8 @@ split reported at the end) with the LightningModule and DataModule of
   whose blocks froze does. Its difference from ``ddp`` is how far the final accuracy moves when
   the trajectory diverges and nothing else changes (the noise of a paired comparison).
 
-Each for every ``--seeds``. Prints wall time (fit, validation included), its ratio against
+Each for every ``--seeds``, the configurations in reverse order every other seed (so that a
+machine whose speed drifts favours none of them). Prints wall time (fit, validation included), its ratio against
 ``ddp`` and ``plain`` of the same run, the time to reach ``ddp``'s final validation accuracy,
 final and best validation accuracy and test accuracy (``--seeds`` vary the initialisation and
 the shuffle; ``--split-seed`` the movies in each split), the ideal speed-up of the freeze
@@ -35,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _launch import launch
+from _launch import in_turn, launch
 
 CONFIGS = ("plain", "ddp", "pipe", "full", "ddp_reseeded")
 DEFAULT_CONFIGS = CONFIGS[:4]
@@ -312,13 +313,14 @@ def main() -> None:
         return
 
     runs: dict[str, list[dict]] = {}
-    for seed in (int(s) for s in args.seeds.split(",")):
+    seeds = [int(s) for s in args.seeds.split(",")]
+    for round_, config in in_turn(args.configs.split(","), len(seeds)):
+        seed = seeds[round_]
         argv = [*sys.argv[1:], "--seed", str(seed)]
-        for config in args.configs.split(","):
-            print(f"seed {seed}: running {config} ...", flush=True)
-            with tempfile.TemporaryDirectory() as tmp:
-                nprocs = 0 if config == "plain" else args.nprocs
-                runs.setdefault(config, []).append(launch(__file__, config, nprocs, argv, tmp)[0])
+        print(f"seed {seed}: running {config} ...", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            nprocs = 0 if config == "plain" else args.nprocs
+            runs.setdefault(config, []).append(launch(__file__, config, nprocs, argv, tmp)[0])
 
     table = summarize(runs)
     print(
