@@ -156,7 +156,12 @@ class GradNormProbe(Callback):
         self.actual: list[int] = []
         self.checked_epochs: list[int] = []
 
+    def _capped(self) -> bool:
+        return self.fc.frozen_blocks >= self.fc.split.num_blocks - self.min_active
+
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self._capped():
+            return  # no decision can freeze more: the callback measures nothing
         split = self.fc.split
         if self.sums is None:
             self.sums = [0.0] * split.num_blocks
@@ -178,12 +183,16 @@ class GradNormProbe(Callback):
         state = self.fc.state_dict()
         frozen = self.fc.frozen_blocks
         assert state["norm_steps"] == self.steps
-        assert state["norm_sums"][frozen:] == pytest.approx(self.sums[frozen:], rel=1e-6)
+        if self.steps:
+            assert state["norm_sums"][frozen:] == pytest.approx(self.sums[frozen:], rel=1e-6)
+        else:
+            assert not any(state["norm_sums"])
         self.checked_epochs.append(trainer.current_epoch)
         if (trainer.current_epoch + 1) % self.interval:
             return
-        means = [s / self.steps for s in self.sums]
-        self.predicted.append(rule(frozen, means, self.fc.split.num_blocks, self.alpha, self.min_active))
+        means = [s / self.steps for s in self.sums] if self.steps else None
+        num_blocks = self.fc.split.num_blocks
+        self.predicted.append(frozen if means is None else rule(frozen, means, num_blocks, self.alpha, self.min_active))
         self.sums, self.steps, self.pending = None, 0, True
 
     def on_train_end(self, trainer, pl_module):
@@ -306,13 +315,14 @@ def test_warmup_epochs_delays_the_first_decision(warmup_epochs, freeze_interval,
 
 
 def test_freeze_interval_accumulates_gradient_norms_over_the_interval():
-    fc = FreezeCallback(alpha=1.0, freeze_interval=2)
-    grad_probe = GradNormProbe(fc, alpha=1.0, interval=2)
+    # alpha 1/4 on 4 blocks freezes at most one block per decision: the cap (3) is not reached.
+    fc = FreezeCallback(alpha=0.25, freeze_interval=2)
+    grad_probe = GradNormProbe(fc, alpha=0.25, interval=2)
     make_trainer([grad_probe, fc], max_epochs=5).fit(seq_module(), seq_loader())
     # The probe compared the callback's sums with its own at every epoch end: over 2 epochs
     # (8 steps) before each decision, and restarted from zero after it.
     assert grad_probe.checked_epochs == [0, 1, 2, 3, 4]
-    assert fc.decisions == 2
+    assert fc.decisions == 2 and 0 < fc.frozen_blocks < 3
     assert grad_probe.actual == grad_probe.predicted and len(grad_probe.predicted) == 2
     state = fc.state_dict()
     assert state["norm_steps"] == 4  # epoch 4 only, not decided yet
@@ -324,6 +334,20 @@ class _NoStepRegressor(tm.TinySequentialRegressor):
 
     def training_step(self, batch, batch_idx):
         return None
+
+
+def test_no_gradient_norms_are_measured_once_the_cap_is_reached():
+    # Block 3 has the smallest gradients: alpha 1 and the gradient term both say 4, the cap 3.
+    fc = FreezeCallback(alpha=1.0)
+    probe = EpochProbe(fc)
+    module = seq_module(block_scales=[1.0, 1.0, 1.0, 1e-3])
+    make_trainer([fc, probe], max_epochs=3).fit(module, seq_loader())
+    assert probe.frozen_at_start == [0, 3, 3]
+    # Decisions go on at the cap (same reason every epoch), without gradient norms.
+    assert fc.decisions == 3
+    assert probe.reasons == ["bound by cap (min_active_blocks=1)"] + ["cap reached (min_active_blocks=1)"] * 2
+    state = fc.state_dict()
+    assert state["norm_steps"] == 0 and not any(state["norm_sums"])
 
 
 def test_no_gradient_signal_means_no_decision():

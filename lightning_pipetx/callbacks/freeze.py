@@ -52,7 +52,8 @@ class FreezeCallback(Callback):
             gradient norms are averaged over the warm-up too.
         min_active_blocks: never freeze more than ``L - min_active_blocks`` blocks.
         signal: ``"grad_norm"`` (both terms of the rule) or ``"schedule"`` (the closed form
-            ``ceil(L * (1 - (1 - alpha) ** T))`` alone).
+            ``ceil(L * (1 - (1 - alpha) ** T))`` alone). Gradient norms are measured each
+            step until the cap is reached or the guard stops freezing; then no decision uses them.
         blocks: dotted path of the block list inside the LightningModule; found
             automatically when None.
         monitor: the guard: a validation metric (e.g. ``"val_acc"``); once it is worse than
@@ -201,7 +202,7 @@ class FreezeCallback(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if self.signal != "grad_norm":
+        if not self._measures_gradients():
             return
         # Summed where the gradients live, without a host read per step (see _collect_norms).
         norms, device = None, None
@@ -218,6 +219,15 @@ class FreezeCallback(Callback):
         finite = torch.isfinite(norms).all()  # skip steps that overflowed (fp16 loss scaling)
         step = torch.cat([torch.where(finite, norms, 0.0), finite.to(torch.float64)[None]])
         self._device_norms = step if self._device_norms is None else self._device_norms.to(device) + step
+
+    def _measures_gradients(self) -> bool:
+        """Whether a later decision can use this step's gradient norms: not at the cap, where the
+        rule freezes nothing more whatever they are, nor once the guard stopped freezing."""
+        return self.signal == "grad_norm" and not self._capped and not (self.guard and self.guard.stopped)
+
+    @property
+    def _capped(self) -> bool:
+        return self.frozen_blocks >= self.split.num_blocks - self.min_active_blocks
 
     def _collect_norms(self) -> None:
         """Move the gradient norms summed on the device into the host totals (one read)."""
@@ -269,7 +279,7 @@ class FreezeCallback(Callback):
 
     def _decide(self, trainer: pl.Trainer) -> None:
         grad_norms = None
-        if self.signal == "grad_norm":
+        if self.signal == "grad_norm" and not self._capped:
             # A rank counts only steps where its blocks had gradients: agree on the count first.
             totals = _all_reduce_max(torch.cat([self._norm_sums, torch.tensor([float(self._norm_steps)])]))
             steps = int(totals[-1])
