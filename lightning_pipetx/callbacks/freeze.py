@@ -221,8 +221,8 @@ class FreezeCallback(Callback):
         self._device_norms = step if self._device_norms is None else self._device_norms.to(device) + step
 
     def _measures_gradients(self) -> bool:
-        """Whether a later decision can use this step's gradient norms: not at the cap, where the
-        rule freezes nothing more whatever they are, nor once the guard stopped freezing."""
+        """Whether decisions use gradient norms (measured each step, read at a decision): not at
+        the cap, where the rule freezes nothing more whatever they are, nor once the guard stopped freezing."""
         return self.signal == "grad_norm" and not self._capped and not (self.guard and self.guard.stopped)
 
     @property
@@ -279,7 +279,7 @@ class FreezeCallback(Callback):
 
     def _decide(self, trainer: pl.Trainer) -> None:
         grad_norms = None
-        if self.signal == "grad_norm" and not self._capped:
+        if self._measures_gradients():
             # A rank counts only steps where its blocks had gradients: agree on the count first.
             totals = _all_reduce_max(torch.cat([self._norm_sums, torch.tensor([float(self._norm_steps)])]))
             steps = int(totals[-1])
