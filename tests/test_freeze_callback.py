@@ -329,6 +329,44 @@ def test_freeze_interval_accumulates_gradient_norms_over_the_interval():
     assert all(s > 0 for s in state["norm_sums"][fc.frozen_blocks :])
 
 
+class _FusedOptionRegressor(tm.TinySequentialRegressor):
+    def __init__(self, fused: bool, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fused = fused
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, fused=self.fused)
+
+
+class _NormsAtEpochEnd(Callback):
+    """The callback's gradient-norm sums before its decision (put it before the FreezeCallback)."""
+
+    def __init__(self, fc: FreezeCallback) -> None:
+        self.fc = fc
+        self.states: list[dict] = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.states.append(self.fc.state_dict())
+
+
+def test_gradient_norms_are_measured_unscaled_under_fp16_with_a_fused_optimizer():
+    # Lightning unscales the gradients before on_before_optimizer_step, except for an optimizer that
+    # unscales inside its own step (fused AdamW): there they still carry the loss scale (2**12).
+    states = {}
+    for fused in (False, True):
+        pl.seed_everything(0)
+        fc = FreezeCallback()
+        peek = _NormsAtEpochEnd(fc)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+        plugin = pl.plugins.MixedPrecision("16-mixed", "cpu", scaler=scaler)
+        make_trainer([peek, fc], max_epochs=1, plugins=[plugin]).fit(_FusedOptionRegressor(fused), seq_loader())
+        assert scaler.get_scale() == 2.0**12  # no step overflowed: every step was measured
+        states[fused] = peek.states[0]
+    assert states[True]["norm_steps"] == states[False]["norm_steps"] == 4
+    assert 0 < states[False]["norm_sums"][0] < 100
+    assert states[True]["norm_sums"] == pytest.approx(states[False]["norm_sums"], rel=1e-6)
+
+
 class _NoStepRegressor(tm.TinySequentialRegressor):
     """Returns no loss: Lightning takes no optimizer step, so no gradient is ever measured."""
 

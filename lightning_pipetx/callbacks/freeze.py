@@ -216,6 +216,9 @@ class FreezeCallback(Callback):
                 norms[index] = get_total_norm([g.detach().float() for g in grads]).to(torch.float64)
         if norms is None:
             return
+        scale = _loss_scale_left_in(trainer, optimizer, device)
+        if scale is not None:
+            norms = norms / scale
         finite = torch.isfinite(norms).all()  # skip steps that overflowed (fp16 loss scaling)
         step = torch.cat([torch.where(finite, norms, 0.0), finite.to(torch.float64)[None]])
         self._device_norms = step if self._device_norms is None else self._device_norms.to(device) + step
@@ -352,6 +355,20 @@ class FreezeCallback(Callback):
         self._add_pre_weights()
         if self.guard is not None and state_dict.get("guard") is not None:
             self.guard.load_state_dict(state_dict["guard"])
+
+
+def _loss_scale_left_in(
+    trainer: pl.Trainer, optimizer: torch.optim.Optimizer, device: torch.device
+) -> torch.Tensor | None:
+    """The loss scale the gradients still carry in ``on_before_optimizer_step``, on ``device``
+    (no host read), or None. Lightning unscales them before the hook, except for an optimizer
+    that unscales inside its own step (a fused AdamW under ``precision="16-mixed"``)."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return None
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):  # what Lightning and torch's GradScaler check
+        return None
+    return scaler.scale(torch.ones((), device=device)).to(torch.float64)
 
 
 def _num_replicas(trainer: pl.Trainer) -> int:
