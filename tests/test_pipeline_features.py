@@ -49,6 +49,15 @@ def test_checkpoint_is_consolidated(four_ranks):
         assert tensor.shape == reference.state_dict()[name].shape, name
 
 
+def test_a_checkpoint_keeps_the_gradient_norms_of_every_stage(four_ranks):
+    # Each rank measures the blocks it runs; global rank 0 (a last stage) writes the file.
+    _, reports = four_ranks
+    checkpoint = torch.load(reports[0]["best_model_path"], map_location="cpu", weights_only=False)
+    (state,) = [v for k, v in checkpoint["callbacks"].items() if k.startswith("FreezeCallback")]
+    assert state["frozen_blocks"] == 0 and state["norm_steps"] > 0
+    assert len(state["norm_sums"]) == 4 and all(s > 0 for s in state["norm_sums"])
+
+
 def test_predict_returns_all_samples_in_order_on_rank_zero(four_ranks):
     _, reports = four_ranks
     assert len(reports[0]["predictions"]) == 14

@@ -232,6 +232,14 @@ class FreezeCallback(Callback):
     def _capped(self) -> bool:
         return self.frozen_blocks >= self.split.num_blocks - self.min_active_blocks
 
+    def _interval_norms(self) -> tuple[torch.Tensor, int]:
+        """The gradient-norm sums per block and the steps they cover since the last decision, over
+        all ranks (a collective): under a pipeline each rank measures the blocks it runs only, and
+        a rank counts only the steps in which its blocks had gradients."""
+        self._collect_norms()
+        totals = _all_reduce_max(torch.cat([self._norm_sums, torch.tensor([float(self._norm_steps)])]))
+        return totals[:-1], int(totals[-1])
+
     def _collect_norms(self) -> None:
         """Move the gradient norms summed on the device into the host totals (one read)."""
         if self._device_norms is not None:
@@ -283,12 +291,10 @@ class FreezeCallback(Callback):
     def _decide(self, trainer: pl.Trainer) -> None:
         grad_norms = None
         if self._measures_gradients():
-            # A rank counts only steps where its blocks had gradients: agree on the count first.
-            totals = _all_reduce_max(torch.cat([self._norm_sums, torch.tensor([float(self._norm_steps)])]))
-            steps = int(totals[-1])
+            sums, steps = self._interval_norms()
             if steps == 0:
                 return  # no gradient was measured since the last decision: no evidence to act on
-            grad_norms = (totals[:-1] / steps).tolist()
+            grad_norms = (sums / steps).tolist()
         self.decisions += 1
         decision = decide(
             self.frozen_blocks,
@@ -334,12 +340,14 @@ class FreezeCallback(Callback):
 
     # -------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
-        self._collect_norms()
+        """The same on every rank, which Lightning calls it on (global rank 0 writes the file):
+        the gradient norms of every rank's blocks, a collective."""
+        sums, steps = (None, 0) if self._norm_sums is None else self._interval_norms()
         return {
             "frozen_blocks": self.frozen_blocks,
             "decisions": self.decisions,
-            "norm_sums": None if self._norm_sums is None else self._norm_sums.tolist(),
-            "norm_steps": self._norm_steps,
+            "norm_sums": None if sums is None else sums.tolist(),
+            "norm_steps": steps,
             "guard": None if self.guard is None else self.guard.state_dict(),
             "pre_weights": self._pre_weights,
         }
@@ -381,7 +389,7 @@ def _all_reduce_max(values: torch.Tensor) -> torch.Tensor:
     elsewhere; the guard's verdict; the weights the first step read)."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-        buffer = values.to(device=device or values.device, dtype=torch.float32)
+        buffer = values.to(device=device or values.device, dtype=torch.float64)
         dist.all_reduce(buffer, op=dist.ReduceOp.MAX)
         return buffer.to(values.device, torch.float64)
     return values

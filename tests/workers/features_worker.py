@@ -22,7 +22,7 @@ from tiny_models import RandomTokenDataset, tiny_bert
 from torch.utils.data import DataLoader
 
 import lightning_pipetx  # noqa: F401  (registers the strategy names)
-from lightning_pipetx import ElasticPipelineStrategy
+from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 
 
 def pad_to_longest(samples):
@@ -88,7 +88,8 @@ def main():
             devices=4,
             strategy=ElasticPipelineStrategy(pipeline_length=2, num_microbatches=2),
             max_epochs=4,
-            callbacks=[checkpoint, stopping, LearningRateMonitor()],
+            # Gradient norms measured every step, no decision within the run: what a checkpoint keeps of them.
+            callbacks=[checkpoint, stopping, LearningRateMonitor(), FreezeCallback(warmup_epochs=10)],
             logger=CSVLogger(out_dir),
             enable_progress_bar=False,
             enable_model_summary=False,
