@@ -198,6 +198,51 @@ def test_one_device_is_a_valid_layout():
     assert all(p.numel() > 0 for p in model.parameters())
 
 
+class _EmbeddingsNotStepped(pl.LightningModule):
+    """The sequential task, its embedding left out of the optimizer (it still gets gradients)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.task = build_task("sequential", dropout=0.0)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.task(x), y)
+
+    def configure_optimizers(self):
+        stepped = [p for name, p in self.task.named_parameters() if ".embed." not in name]
+        assert len(stepped) < len(list(self.parameters()))
+        return torch.optim.SGD(stepped, lr=0.1)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "pipetx"])
+def test_clipping_by_norm_counts_the_optimizer_s_parameters_only(strategy):
+    # Lightning clips the gradients of the optimizer's parameters; a gradient the optimizer does
+    # not step must neither count in the norm nor be scaled.
+    norms = []
+
+    class StepNorm(pl.Callback):
+        def on_before_zero_grad(self, trainer, pl_module, optimizer):  # after clipping and the step
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            norms.append(float(torch.nn.utils.get_total_norm(grads)))
+
+    module = _EmbeddingsNotStepped()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ElasticPipelineStrategy(cache=False) if strategy == "pipetx" else "auto",
+        max_steps=3,
+        gradient_clip_val=0.05,
+        callbacks=[StepNorm()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, task_loader("sequential", size=24))
+    assert norms[1:] == pytest.approx([0.05, 0.05], rel=1e-5)
+
+
 def test_profiled_forward_times_become_the_block_costs():
     from lightning_pipetx import FreezeCallback
 

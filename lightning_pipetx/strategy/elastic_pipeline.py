@@ -263,7 +263,10 @@ class ElasticPipelineStrategy(DDPStrategy):
         self.engine = self._build_engine(plan)
         self.engine.profile_steps = self.profile_steps
         drop_optimizer_state(self._split.blocks, self.optimizers, self.engine.block_range)
-        clip_norm_over_stages(self.precision_plugin, lambda norm: self._require_engine().grad_sync.clip_by_norm(norm))
+        clip_norm_over_stages(
+            self.precision_plugin,
+            lambda norm, optimizer: self._require_engine().grad_sync.clip_by_norm(norm, optimizer),
+        )
         self._output_checks = CollectedOutputChecks(self.lightning_module, self._refuse_collected_outputs)
         self._output_checks.install()
         self.setup_precision_plugin()

@@ -306,12 +306,14 @@ class GradientSync:
         self._groups.clear()
 
     # --------------------------------------------------------- clipping
-    def clip_by_norm(self, max_norm: float) -> torch.Tensor:
-        """Clip every local gradient by the norm over all stages' gradients (one replica)."""
+    def clip_by_norm(self, max_norm: float, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """Clip the local gradients of ``optimizer``'s parameters by their norm over all stages
+        (one replica), as Lightning clips ``optimizer``'s parameters only."""
         stage = self.topology.stage
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         counted, local = [], []
         for p in self.stage_params + self.shared_params:
-            if p.grad is None:
+            if p.grad is None or id(p) not in stepped:
                 continue
             local.append(p.grad)
             stages = self.producers.get(id(p))

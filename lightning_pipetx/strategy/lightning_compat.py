@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import lightning
 import lightning.pytorch as pl
@@ -93,17 +94,17 @@ def check_lightning_internals(trainer: pl.Trainer, internals: tuple[Internal, ..
     )
 
 
-def clip_norm_over_stages(plugin: Precision, clip_by_norm: Callable[[float], None]) -> None:
-    """Make ``plugin`` clip by the norm with ``clip_by_norm`` (the norm over every stage's
-    gradients, not only this rank's); other clipping stays the plugin's. Undone by
-    :func:`restore_clipping`."""
+def clip_norm_over_stages(plugin: Precision, clip_by_norm: Callable[[float, Any], None]) -> None:
+    """Make ``plugin`` clip by the norm with ``clip_by_norm(max_norm, optimizer)`` (the norm of
+    the optimizer's gradients over every stage, not only this rank's); other clipping stays the
+    plugin's. Undone by :func:`restore_clipping`."""
     original = type(plugin).clip_gradients
 
     def clip_gradients(
         optimizer: object, clip_val: float = 0.0, gradient_clip_algorithm: object = GradClipAlgorithmType.NORM
     ) -> None:
         if clip_val > 0 and gradient_clip_algorithm == GradClipAlgorithmType.NORM:
-            clip_by_norm(float(clip_val))
+            clip_by_norm(float(clip_val), optimizer)
         else:
             original(plugin, optimizer, clip_val, gradient_clip_algorithm)
 
