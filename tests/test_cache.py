@@ -83,6 +83,60 @@ def test_augmentation_switches_the_cache_off_with_a_warning(tmp_path, caplog):
     assert all(rate in (None, 0.0) for rate in rates)
 
 
+class _MaskedInStep(tm.TinyBertClassifier):
+    """Replaces random tokens of its batch inside training_step, before the model call."""
+
+    def training_step(self, batch, batch_idx):
+        generator = torch.Generator().manual_seed(1000 * self.current_epoch + batch_idx)
+        masked = torch.rand(batch["input_ids"].shape, generator=generator) < 0.3
+        batch = {**batch, "input_ids": batch["input_ids"].masked_fill(masked, 1)}
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_batch_changed_inside_the_step_switches_the_cache_off_after_one_epoch_with_a_warning(tmp_path, caplog):
+    # The loader yields the same batches every epoch, so only what enters the frozen blocks shows
+    # the change: epoch 2 serves states cached in epoch 1 (the loaded batches passed their check),
+    # and the comparison at the start of epoch 3 switches the cache off.
+    data = tm.RandomTokenDataset(size=32, seed=1)
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        _, rates, trainer = fit("auto", data, tmp_path, epochs=5, module=_MaskedInStep(seed=0, dropout=0.0))
+    messages = [r.message for r in caplog.records if "AutoCache switched off" in r.message]
+    assert len(messages) == 1 and "what enters the frozen blocks changed" in messages[0]
+    assert "cache=False" in messages[0]
+    assert rates == [None, 0.0, 0.0, 0.0, 0.0]  # epoch 2 read depth 2 (stale) and filled depth 3
+
+
+def test_a_training_loader_rebuilt_over_another_dataset_switches_the_cache_off(tmp_path, caplog):
+    pool = tm.RandomTokenDataset(size=64, seed=1)
+
+    class Reloading(tm.TinyBertClassifier):
+        def train_dataloader(self):
+            start = 0 if self.current_epoch < 2 else 32  # other samples under the same indices
+            return DataLoader(torch.utils.data.Subset(pool, range(start, start + 32)), batch_size=8)
+
+    def run(cache):
+        module = Reloading(seed=0, dropout=0.0)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=ElasticPipelineStrategy(cache=cache, profile_steps=0, cache_dir=str(tmp_path / "spill")),
+            max_epochs=4,
+            reload_dataloaders_every_n_epochs=1,
+            callbacks=[FreezeCallback(alpha=1 / 2, signal="schedule")],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module)
+        return module.state_dict()
+
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        cached = run("auto")
+    assert any("rebuilt over another dataset object" in r.message for r in caplog.records)
+    _same(cached, run(False))
+
+
 def pad_to_longest(samples):
     batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
     length = int(batch["attention_mask"].sum(1).max())

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_pipetx.autocache.guards import CHANGED_INPUT, InputGuard
+from lightning_pipetx.autocache.guards import CHANGED_INPUT, CHANGED_PREFIX_INPUT, InputGuard
 from lightning_pipetx.autocache.stopwatch import Stopwatch
 from lightning_pipetx.autocache.tiers import TIER_NAMES, DeviceTier, FileTier, Tier, free_bytes, nbytes_of
 from lightning_pipetx.strategy.p2p import Activation
@@ -86,7 +86,8 @@ class AutoCache:
         self.share_host = share_host  # other first-stage ranks of the node read the host tier too
         for path in {directory, spill_directory}:
             path.mkdir(parents=True, exist_ok=True)
-        self.guard = InputGuard(num_samples, device)
+        self.guard = InputGuard(num_samples, device)  # the loaded batches
+        self.prefix_guard = InputGuard(num_samples, device, tolerance=1e-4)  # what enters the frozen blocks
         self.force = False  # cache=True: a changed input only warns
         self.enabled = True
         self.dropped: set[str] = set()  # tiers measured slower than computing the prefix
@@ -119,6 +120,15 @@ class AutoCache:
             self._warned = True
             log.warning("pipetx: %s switched off for this run: %s", self.label, reason)
 
+    def _changed(self, reason: str) -> None:
+        if not self.force:
+            self.disable(reason)
+        elif not self._warned:
+            self._warned = True
+            log.warning(
+                "pipetx: %s: an input changed between epochs; cache=True keeps caching it (%s)", self.label, reason
+            )
+
     def begin_epoch(self, group_size: int) -> None:
         """Agree over every rank on what the last epoch showed (collective): a changed input
         switches the cache off; a tier slower than computing the prefix is dropped."""
@@ -127,20 +137,17 @@ class AutoCache:
         flags = torch.cat(
             [
                 self.guard.take_counts().cpu(),
+                self.prefix_guard.take_counts().cpu(),
                 torch.tensor([float(not self.enabled)] + [float(name in slow) for name in TIER_NAMES]),
             ]
         ).to(self.device, torch.float64)
         if group_size > 1:
             dist.all_reduce(flags)
-        compared, changed, disabled, *slow_flags = flags.tolist()
+        compared, changed, _, prefix_changed, disabled, *slow_flags = flags.tolist()
         if self.guard.judge(compared, changed):
-            if not self.force:
-                self.disable(CHANGED_INPUT)
-            elif not self._warned:
-                self._warned = True
-                log.warning(
-                    "pipetx: %s: a sample's input changed between epochs; cache=True keeps caching it.", self.label
-                )
+            self._changed(CHANGED_INPUT)
+        elif prefix_changed > 0:
+            self._changed(CHANGED_PREFIX_INPUT)
         if disabled and self.enabled:
             self.disable("another rank switched it off")
         for name, flag in zip(TIER_NAMES, slow_flags):

@@ -51,6 +51,7 @@ class CacheFeed:
     def __init__(self, control: CacheControl) -> None:
         self.control = control
         self._training: RecordingBatchSampler | None = None
+        self._training_dataset: Any = None
         self._validation = ValidationKeys()
 
     def _cacheable(self, loader: DataLoader) -> bool:
@@ -62,7 +63,14 @@ class CacheFeed:
             return loader, None
         loader, self._training = recording(loader)
         if self.control.cache is not None:
+            if loader.dataset is not self._training_dataset:  # a reload over other samples
+                self.control.cache.disable(
+                    "the training loader was rebuilt over another dataset object, whose indices may name other "
+                    "samples than the cached states; return the same dataset object from train_dataloader() to "
+                    "keep the cache."
+                )
             return loader, None
+        self._training_dataset = loader.dataset
         size = len(loader.dataset)
         return loader, self.control.open(site.run_token, site.node_rank, size, site.device, site.share_host)
 
@@ -100,5 +108,5 @@ class CacheFeed:
     def close(self, remove_files: bool) -> None:
         """Close both caches (``remove_files``: one rank per node) and forget the loaders."""
         self.control.close(remove_files)
-        self._training = None
+        self._training = self._training_dataset = None
         self._validation.reset()

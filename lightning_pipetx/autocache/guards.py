@@ -6,11 +6,18 @@
 * :class:`InputGuard`: a fingerprint of every sample's input, kept on the training device;
   a sample whose input changed since the last epoch that saw it (random augmentation,
   dynamic padding) is counted on the device, without a host copy, and the count is read
-  once per epoch. The cache serves nothing before one such check has passed, so a stale
-  state is never read: the epoch that fills the cache is always compared with an earlier one.
+  once per epoch. The cache serves nothing before one such check of the loaded batches has
+  passed, so a stale state is never read for a change the loader makes: the epoch that fills
+  the cache is always compared with an earlier one. A second guard watches what enters the
+  frozen blocks (the output of the frozen embeddings), which a ``training_step`` that changes
+  its batch before the model call (noise, masking) changes too: that is found one epoch after
+  the first one served from the cache, and switches it off. (Only the hidden state is compared:
+  a step that changes only the attention mask is not seen.)
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -45,11 +52,35 @@ CHANGED_INPUT = (
     "length). Cache only deterministic, fixed-shape inputs, or pass cache=False."
 )
 
+CHANGED_PREFIX_INPUT = (
+    "what enters the frozen blocks changed between epochs for samples the loader yielded unchanged (the step "
+    "changes its batch before the model call: noise, masking, mixing). The last epoch may have used states "
+    "cached from an earlier one for such samples; pass cache=False for an exact run."
+)
+
+
+@functools.lru_cache(maxsize=8)
+def _scattered_weights(length: int, device: torch.device) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    return (1.0 + torch.rand(length, generator=generator, dtype=torch.float64)).to(device)
+
+
+def hidden_state_fingerprints(hidden: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One float64 per sample of a hidden state ``[samples, ...]``, on ``device``. Its weights are
+    scattered: a normalised state's rows have zero mean, which smoothly varying weights would
+    cancel, hiding a changed token."""
+    flat = hidden.detach().reshape(hidden.shape[0], -1).to(device, torch.float64)
+    return flat @ _scattered_weights(flat.shape[1], device) + flat.shape[1]
+
 
 class InputGuard:
-    """Per-sample input fingerprints on ``device``, compared with the previous epoch's."""
+    """Per-sample input fingerprints on ``device``, compared with the previous epoch's.
 
-    def __init__(self, num_samples: int, device: torch.device) -> None:
+    ``tolerance``: the relative difference that counts as a change (0: any; a float input
+    computed on a GPU may differ in its last bits from run to run)."""
+
+    def __init__(self, num_samples: int, device: torch.device, tolerance: float = 0.0) -> None:
+        self.tolerance = tolerance
         self._fingerprints = torch.zeros(num_samples, dtype=torch.float64, device=device)
         self._seen = torch.zeros(num_samples, dtype=torch.bool, device=device)
         # [samples compared, samples changed] since the last verdict, on the device.
@@ -60,7 +91,12 @@ class InputGuard:
         """Record this step's fingerprints (``indices`` on the host); no host synchronisation."""
         indices = indices.to(self._seen.device, non_blocking=True)
         seen = self._seen[indices]
-        changed = seen & (self._fingerprints[indices] != fingerprints)
+        earlier = self._fingerprints[indices]
+        if self.tolerance:
+            differs = (earlier - fingerprints).abs() > self.tolerance * (earlier.abs() + 1.0)
+        else:
+            differs = earlier != fingerprints
+        changed = seen & differs
         self._counts += torch.stack([seen.sum(), changed.sum()]).to(torch.float64)
         self._fingerprints[indices] = fingerprints
         self._seen[indices] = True

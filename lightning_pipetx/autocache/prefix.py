@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from lightning_pipetx.autocache.cache import AutoCache
+from lightning_pipetx.autocache.guards import hidden_state_fingerprints
 from lightning_pipetx.strategy.fingerprint import sample_fingerprints
 from lightning_pipetx.strategy.p2p import Activation
 from lightning_pipetx.strategy.stage_hooks import StageHooks
@@ -43,6 +44,9 @@ class CachedPrefix:
     @contextlib.contextmanager
     def _microbatch(self, indices: torch.Tensor, depth: int) -> Iterator[None]:
         hooks, cache = self.hooks, self.cache
+        hooks.on_prefix_input = lambda hidden: cache.prefix_guard.observe(
+            indices, hidden_state_fingerprints(hidden, self.device)
+        )
         level, states, tuple_len = cache.lookup(indices, depth)
         if states is not None:
             hooks.incoming = Activation.of_hidden(states, tuple_len)
@@ -57,6 +61,6 @@ class CachedPrefix:
         finally:
             captured = hooks.captured
             hooks.skip_until, hooks.capture_at, hooks.captured = 0, -1, None
-            hooks.on_first_block = hooks.on_capture = None
+            hooks.on_first_block = hooks.on_capture = hooks.on_prefix_input = None
             if captured is not None:
                 cache.store(indices, depth, captured)

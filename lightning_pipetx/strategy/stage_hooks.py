@@ -81,6 +81,7 @@ class StageHooks:
         self.captured: Activation | None = None
         self.on_first_block: Callable[[], None] | None = None  # AutoCache times the prefix it computes
         self.on_capture: Callable[[], None] | None = None
+        self.on_prefix_input: Callable[[torch.Tensor], None] | None = None  # block 0's hidden state, for AutoCache
         self._saved: dict[int, Any] = {}
 
     def install(self) -> None:
@@ -99,6 +100,8 @@ class StageHooks:
                 block.forward = saved
 
     def _forward(self, index: int, original: Callable, first_arg: str | None, *args: Any, **kwargs: Any) -> Any:
+        if index == 0 and self.on_prefix_input is not None:
+            self.on_prefix_input(args[0] if args else kwargs[first_arg])
         start = max(self.start, self.skip_until)
         if index < start:
             incoming = self._incoming()
