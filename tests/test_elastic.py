@@ -76,3 +76,12 @@ def test_block_buffers_move_with_their_blocks(tmp_path):
     assert start_1x2[0] == start_1x2[1] and all(block[2] > 0 for block in start_1x2[0])
     # After fit every rank holds replica 0's statistics (as the checkpoint does).
     assert ranks[0]["final"] == ranks[1]["final"]
+    # The embedder (pre) trains on the first stage (rank 1) and freezes after epoch 0; the last
+    # stage runs it with stale weights. Its statistics come from the first stage.
+    first_stage, last_stage = ranks[1]["embedder_at_epoch_end"][0], ranks[0]["embedder_at_epoch_end"][0]
+    assert first_stage != last_stage
+    assert ranks[0]["final_embedder"] == ranks[1]["final_embedder"] == first_stage
+    saved = torch.load(tmp_path / "epoch0.ckpt", weights_only=False)["state_dict"]
+    embedder = {k: v for k, v in saved.items() if k.startswith("model.resnet.embedder.")}
+    sums = [float(sum(v.sum() for k, v in embedder.items() if k.endswith(n))) for n in ("mean", "var", "tracked")]
+    assert sums == pytest.approx(first_stage, rel=1e-6)

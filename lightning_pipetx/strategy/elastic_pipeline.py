@@ -30,6 +30,7 @@ from lightning_pipetx.strategy.host_memory import reuse_for_training
 from lightning_pipetx.strategy.lightning_compat import (
     check_lightning_internals,
     clip_norm_over_stages,
+    refuse_weight_averaging,
     restore_clipping,
 )
 from lightning_pipetx.strategy.loss_scaling import agreeing_scaler, refuse_unagreed_overflow
@@ -260,6 +261,7 @@ class ElasticPipelineStrategy(DDPStrategy):
             # shape or read them); the blocks this rank does not run are released after it.
             self.setup_optimizers(trainer)
             refuse_unagreed_overflow(self.optimizers, scaler, plan.layout.pipeline_length)
+            refuse_weight_averaging(trainer.callbacks, plan.layout.pipeline_length)
         self.engine = self._build_engine(plan)
         self.engine.profile_steps = self.profile_steps
         drop_optimizer_state(self._split.blocks, self.optimizers, self.engine.block_range)
@@ -549,6 +551,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         """The plain module's ``state_dict``, with every block gathered on global rank 0."""
         engine = self._require_engine()
         engine.share_updated_params(self.optimizers)
+        engine.share_pre_buffers()
         state = self.lightning_module.state_dict()
         prefix = self._split.path + "."
         gathered = engine.block_state(prefix)

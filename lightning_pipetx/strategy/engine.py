@@ -70,7 +70,10 @@ class PipelineEngine:
 
         block_param_ids = {id(p) for i in range(split.num_blocks) for p in split.block_parameters(i)}
         block_buffer_ids = {id(b) for b in split.blocks.buffers()}
-        self.outer_buffers = [b for b in module.buffers() if id(b) not in block_buffer_ids]
+        pre_buffer_ids = {id(b) for _, pre in split.pre for b in pre.buffers()}
+        outer_buffers = [b for b in module.buffers() if id(b) not in block_buffer_ids]
+        self.pre_buffers = [b for b in outer_buffers if id(b) in pre_buffer_ids]
+        self.post_buffers = [b for b in outer_buffers if id(b) not in pre_buffer_ids]
         all_params = list(module.parameters())
         self.grad_sync = GradientSync(
             all_params,
@@ -264,10 +267,19 @@ class PipelineEngine:
         )
 
     def share_outer_buffers(self, group: dist.ProcessGroup | None = None) -> None:
-        """Give every rank global rank 0's buffers outside the block list (``post`` runs on
-        the last stages only, and replicas see different data). A collective over the world."""
+        """Give every rank replica 0's buffers outside the block list: ``pre``'s from its first
+        stage and the others from global rank 0, its last stage (a later stage runs ``pre`` with
+        stale weights, only the last stages run ``post``, and replicas see different data).
+        A collective over the world."""
+        self.share_pre_buffers(group)
         if self.layout.world_size > 1:
-            broadcast_all(self.outer_buffers, 0, group)
+            broadcast_all(self.post_buffers, 0, group)
+
+    def share_pre_buffers(self, group: dist.ProcessGroup | None = None) -> None:
+        """Give every rank the buffers of ``pre`` from replica 0's first stage (before a
+        checkpoint: global rank 0 writes it). A collective over the world."""
+        if self.layout.world_size > 1:
+            broadcast_all(self.pre_buffers, self.layout.rank(0, 0), group)
 
     def restore_after_failure(self, group: dist.ProcessGroup) -> None:
         """The whole model on every rank after an exception that every rank took part in, over

@@ -63,23 +63,38 @@ def statistics(module: pl.LightningModule) -> list[list[float]]:
     return result
 
 
+def embedder_statistics(module: pl.LightningModule) -> list[float]:
+    """The same sums for the BatchNorm before the blocks (``pre``: the embedder's)."""
+    buffers = dict(module.model.resnet.embedder.named_buffers())
+    return [float(sum(v.sum() for k, v in buffers.items() if k.endswith(name))) for name in ("mean", "var", "tracked")]
+
+
 class Recorder(Callback):
-    def __init__(self):
+    """Put it before FreezeCallback: its epoch end runs before a decision's transition."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir = out_dir
         self.epochs = []
+        self.embedder_at_epoch_end = []
 
     def on_train_epoch_start(self, trainer, pl_module):
         layout = trainer.strategy.layout
         self.epochs.append({"layout": str(layout), "blocks": statistics(pl_module)})
 
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.embedder_at_epoch_end.append(embedder_statistics(pl_module))
+        if trainer.current_epoch == 0:
+            trainer.save_checkpoint(os.path.join(self.out_dir, "epoch0.ckpt"))
+
 
 def main():
     out_dir = sys.argv[1]
-    recorder = Recorder()
+    recorder = Recorder(out_dir)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=ElasticPipelineStrategy(pipeline_length=2, num_microbatches=2, profile_steps=0, cache=False),
-        callbacks=[FreezeCallback(alpha=1 / 2, signal="schedule"), recorder],
+        callbacks=[recorder, FreezeCallback(alpha=1 / 2, signal="schedule")],
         max_epochs=3,
         logger=False,
         enable_checkpointing=False,
@@ -89,7 +104,12 @@ def main():
     )
     module = ResNetClassifier()
     trainer.fit(module, DataLoader(RandomImageDataset(size=32, seed=1), batch_size=8))
-    report = {"epochs": recorder.epochs, "final": statistics(module)}
+    report = {
+        "epochs": recorder.epochs,
+        "final": statistics(module),
+        "embedder_at_epoch_end": recorder.embedder_at_epoch_end,
+        "final_embedder": embedder_statistics(module),
+    }
     with open(os.path.join(out_dir, f"buffers_rank{trainer.global_rank}.json"), "w") as f:
         json.dump(report, f)
 
