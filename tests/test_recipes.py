@@ -82,6 +82,14 @@ def test_fp16_with_a_fused_optimizer_under_a_pipeline_is_refused(tmp_path):
     assert "AdamW(fused=True) under a 2-stage pipeline" in output and "precision='bf16-mixed'" in output
 
 
+def test_weight_averaging_under_a_pipeline_is_refused(tmp_path):
+    # EMA averages every weight after each step; a rank holds only its stage's blocks.
+    output = run_workers("recipes_worker.py", 2, str(tmp_path), "ema", expect_failure=True)
+    for rank in (0, 1):
+        assert f"[rank{rank}]: lightning_pipetx.strategy.lightning_compat.WeightAveragingError: " in output
+    assert "EMAWeightAveraging under a 2-stage pipeline" in output and "pipeline_length=1" in output
+
+
 @pytest.mark.parametrize("mode", ["random_collate", "own_sampler"])
 def test_stages_reading_different_batches_is_an_error(mode, tmp_path):
     output = run_workers("recipes_worker.py", 2, str(tmp_path), mode, expect_failure=True)

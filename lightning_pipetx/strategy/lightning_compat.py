@@ -94,6 +94,31 @@ def check_lightning_internals(trainer: pl.Trainer, internals: tuple[Internal, ..
     )
 
 
+class WeightAveragingError(ValueError):
+    """A callback that averages every weight after each step, under a pipeline."""
+
+
+def refuse_weight_averaging(callbacks: list[pl.Callback], pipeline_length: int) -> None:
+    """Refuse Lightning's weight-averaging callbacks (EMA, SWA) under a pipeline: they read every
+    weight after each step, and a rank holds only its stage's blocks (the others are placeholders)."""
+    if pipeline_length <= 1:
+        return
+    kinds = tuple(
+        getattr(pl.callbacks, name)
+        for name in ("WeightAveraging", "StochasticWeightAveraging")
+        if hasattr(pl.callbacks, name)  # WeightAveraging is newer than Lightning 2.4
+    )
+    for callback in callbacks:
+        if isinstance(callback, kinds):
+            name = type(callback).__name__
+            raise WeightAveragingError(
+                f"{name} under a {pipeline_length}-stage pipeline: it averages every weight after each step, but "
+                f"each rank holds only the blocks of its stage, so the other blocks' averages would be of "
+                f"placeholders. Pass ElasticPipelineStrategy(pipeline_length=1) (replicas only), or train without "
+                f"{name}."
+            )
+
+
 def clip_norm_over_stages(plugin: Precision, clip_by_norm: Callable[[float, Any], None]) -> None:
     """Make ``plugin`` clip by the norm with ``clip_by_norm(max_norm, optimizer)`` (the norm of
     the optimizer's gradients over every stage, not only this rank's); other clipping stays the

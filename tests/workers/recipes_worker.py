@@ -1,7 +1,7 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
 rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled)
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | ema)
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do) and
 "own_sampler" turns Lightning's distributed sampler off: both give the two stages different
@@ -15,7 +15,7 @@ from datetime import timedelta
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, EMAWeightAveraging
 from lightning.pytorch.utilities.model_summary import summarize
 from recipes_cases import (
     GLOBAL_BATCH,
@@ -63,7 +63,7 @@ def main() -> None:
         use_distributed_sampler=mode != "own_sampler",
         max_steps=-1 if mode == "scheduled" else STEPS,
         max_epochs=2 if mode == "scheduled" else None,
-        callbacks=[summary],
+        callbacks=[summary] + ([EMAWeightAveraging(decay=0.9)] if mode == "ema" else []),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
