@@ -58,6 +58,15 @@ def test_a_checkpoint_keeps_the_gradient_norms_of_every_stage(four_ranks):
     assert len(state["norm_sums"]) == 4 and all(s > 0 for s in state["norm_sums"])
 
 
+def test_a_prediction_writer_writes_each_sample_once(four_ranks):
+    # 2 stages x 2 replicas: the last stage of each replica (global ranks 0 and 2) writes its shard.
+    out, _ = four_ranks
+    written = {path.name: json.loads(path.read_text()) for path in out.glob("written_rank*.json")}
+    assert sorted(written) == ["written_rank0.json", "written_rank2.json"]
+    indices = [i for shard in written.values() for i in shard]
+    assert sorted(indices) == list(range(14))
+
+
 def test_predict_returns_all_samples_in_order_on_rank_zero(four_ranks):
     _, reports = four_ranks
     assert len(reports[0]["predictions"]) == 14

@@ -37,7 +37,7 @@ from lightning_pipetx.strategy.loss_scaling import agreeing_scaler, refuse_unagr
 from lightning_pipetx.strategy.model_checks import CollectedOutputChecks, UnsupportedOutputsError
 from lightning_pipetx.strategy.output_relay import EvalMetricGroups
 from lightning_pipetx.strategy.param_store import ParamStore
-from lightning_pipetx.strategy.predictions import gather_loop_predictions
+from lightning_pipetx.strategy.predictions import QuietWriters, gather_loop_predictions
 from lightning_pipetx.strategy.stage_runner import SCHEDULES
 from lightning_pipetx.strategy.topology import Layout
 from lightning_pipetx.strategy.transition import drop_optimizer_state
@@ -170,6 +170,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self.last_transition: Transition | None = None  # what the last transition did on this rank
         self._output_checks: CollectedOutputChecks | None = None
         self._eval_metrics = EvalMetricGroups()
+        self._quiet_writers = QuietWriters()
         self._agreement: FailureAgreement | None = None
 
     @classmethod
@@ -491,6 +492,7 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def on_predict_start(self) -> None:
         self._evaluation_starts()
+        self._quiet_writers.enter(self.lightning_module.trainer.callbacks, self._require_engine().topology)
 
     def _evaluation_starts(self) -> None:
         engine = self._require_engine()
@@ -502,6 +504,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._require_engine().check_batches(everywhere=False)  # a replica without batches skips this hook
 
     def on_predict_end(self) -> None:
+        self._quiet_writers.exit()
         self._evaluation_ends()
 
     # ---------------------------------------------------- collectives
@@ -563,6 +566,7 @@ class ElasticPipelineStrategy(DDPStrategy):
     # ----------------------------------------------------------- teardown
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
+        self._quiet_writers.exit()
         engine = self.engine
         if engine is not None and not engine.topology.is_last_stage and self.lightning_module.trainer.training:
             explain_training_outputs(exception, engine.topology.stage, engine.layout.pipeline_length)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
+from lightning.pytorch.callbacks import BasePredictionWriter
 
 from lightning_pipetx.strategy.microbatch import BatchSplitError, _tensors, batch_size, chunk, join_outputs, take
 from lightning_pipetx.strategy.topology import Topology
@@ -74,3 +75,33 @@ def merge_shards(shards: list[list[Any]]) -> list[Any]:
     order = [offsets[j % replicas] + j // replicas for j in range(sum(counts))]
     merged = join_outputs(joined, [c for c in counts if c])
     return chunk(take(merged, order), batch_size(batches[0]))
+
+
+class QuietWriters:
+    """Keeps ``BasePredictionWriter`` callbacks from writing on a stage other than the last:
+    every stage of a replica holds the same predictions, and the writers would write them once
+    per stage (with Lightning's per-rank file pattern, once per rank)."""
+
+    _METHODS = ("write_on_batch_end", "write_on_epoch_end")
+
+    def __init__(self) -> None:
+        self._quieted: list[BasePredictionWriter] = []
+
+    def enter(self, callbacks: list[Any], topology: Topology) -> None:
+        if topology.is_last_stage:
+            return
+        for callback in callbacks:
+            if isinstance(callback, BasePredictionWriter):
+                for name in self._METHODS:
+                    setattr(callback, name, _write_nothing)
+                self._quieted.append(callback)
+
+    def exit(self) -> None:
+        for callback in self._quieted:
+            for name in self._METHODS:
+                callback.__dict__.pop(name, None)
+        self._quieted.clear()
+
+
+def _write_nothing(*args: Any, **kwargs: Any) -> None:
+    return None

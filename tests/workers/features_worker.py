@@ -16,7 +16,7 @@ from datetime import timedelta
 import lightning.pytorch as pl
 import torch
 import torchmetrics
-from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import BasePredictionWriter, EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from tiny_models import RandomTokenDataset, tiny_bert
 from torch.utils.data import DataLoader
@@ -68,6 +68,19 @@ class Classifier(pl.LightningModule):
         return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)]
 
 
+class IndexWriter(BasePredictionWriter):
+    """Lightning's per-rank pattern: each rank writes the dataset indices it predicted."""
+
+    def __init__(self, out_dir):
+        super().__init__("epoch")
+        self.out_dir = out_dir
+
+    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
+        indices = [i for batch in batch_indices[0] for i in batch]
+        with open(os.path.join(self.out_dir, f"written_rank{trainer.global_rank}.json"), "w") as f:
+            json.dump(indices, f)
+
+
 def loader(size, batch_size, seed):
     return DataLoader(RandomTokenDataset(size=size, seed=seed), batch_size=batch_size, collate_fn=pad_to_longest)
 
@@ -89,7 +102,13 @@ def main():
             strategy=ElasticPipelineStrategy(pipeline_length=2, num_microbatches=2),
             max_epochs=4,
             # Gradient norms measured every step, no decision within the run: what a checkpoint keeps of them.
-            callbacks=[checkpoint, stopping, LearningRateMonitor(), FreezeCallback(warmup_epochs=10)],
+            callbacks=[
+                checkpoint,
+                stopping,
+                LearningRateMonitor(),
+                FreezeCallback(warmup_epochs=10),
+                IndexWriter(out_dir),
+            ],
             logger=CSVLogger(out_dir),
             enable_progress_bar=False,
             enable_model_summary=False,
