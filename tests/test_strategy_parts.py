@@ -243,6 +243,33 @@ def test_clipping_by_norm_counts_the_optimizer_s_parameters_only(strategy):
     assert norms[1:] == pytest.approx([0.05, 0.05], rel=1e-5)
 
 
+class _ManualRegressor(_EmbeddingsNotStepped):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        optimizer.step()
+
+
+def test_manual_optimization_is_refused_naming_the_alternatives():
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ElasticPipelineStrategy(),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(ValueError, match="manual optimization .* cannot run under it.*DDPStrategy"):
+        trainer.fit(_ManualRegressor(), task_loader("sequential"))
+
+
 def test_profiled_forward_times_become_the_block_costs():
     from lightning_pipetx import FreezeCallback
 

@@ -47,6 +47,10 @@ log = logging.getLogger("lightning_pipetx")
 SAMPLERS = ("auto", "distributed", "stable")
 
 
+class ManualOptimizationError(ValueError):
+    """A LightningModule with ``automatic_optimization = False`` under the strategy."""
+
+
 def _positive_or_auto(name: str, value: Any) -> None:
     if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise ValueError(f"ElasticPipelineStrategy({name}={value!r}): use 'auto' or a whole number >= 1.")
@@ -257,6 +261,12 @@ class ElasticPipelineStrategy(DDPStrategy):
         # for an LR schedule): it is sharded by replica and recorded for AutoCache as it is built, so
         # that Lightning keeps it (building it again would draw another seed from the user's stream).
         self._layout0 = plan.layout
+        if trainer.state.fn == TrainerFn.FITTING and not self.lightning_module.automatic_optimization:
+            raise ManualOptimizationError(
+                "ElasticPipelineStrategy runs each training step's forward and backward itself (micro-batches "
+                "through the stages), so manual optimization (automatic_optimization = False, manual_backward) "
+                "cannot run under it. Use automatic optimization, or Lightning's DDPStrategy for this module."
+            )
         if trainer.state.fn == TrainerFn.FITTING:
             # configure_optimizers sees every weight as one process would (it may group them by
             # shape or read them); the blocks this rank does not run are released after it.
