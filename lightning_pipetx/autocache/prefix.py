@@ -41,12 +41,14 @@ class CachedPrefix:
         if upcoming is not None and depth > 0 and self.cache.enabled:
             self.cache.prefetch(upcoming, depth)
 
+    def _observe_prefix_input(self, indices: torch.Tensor, hidden: torch.Tensor) -> None:
+        if hidden.dim() > 0 and hidden.shape[0] == len(indices):  # one row per sample
+            self.cache.prefix_guard.observe(indices, hidden_state_fingerprints(hidden, self.device))
+
     @contextlib.contextmanager
     def _microbatch(self, indices: torch.Tensor, depth: int) -> Iterator[None]:
         hooks, cache = self.hooks, self.cache
-        hooks.on_prefix_input = lambda hidden: cache.prefix_guard.observe(
-            indices, hidden_state_fingerprints(hidden, self.device)
-        )
+        hooks.on_prefix_input = lambda hidden: self._observe_prefix_input(indices, hidden)
         level, states, tuple_len = cache.lookup(indices, depth)
         if states is not None:
             hooks.incoming = Activation.of_hidden(states, tuple_len)

@@ -101,7 +101,9 @@ class StageHooks:
 
     def _forward(self, index: int, original: Callable, first_arg: str | None, *args: Any, **kwargs: Any) -> Any:
         if index == 0 and self.on_prefix_input is not None:
-            self.on_prefix_input(args[0] if args else kwargs[first_arg])
+            hidden = args[0] if args else kwargs.get(first_arg)
+            if isinstance(hidden, torch.Tensor):
+                self.on_prefix_input(hidden)
         start = max(self.start, self.skip_until)
         if index < start:
             incoming = self._incoming()
