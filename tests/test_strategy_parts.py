@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from distributed import run_workers
-from tiny_models import build_model, build_task, task_loader
+from tiny_models import build_model, build_task, make_trainer, task_loader
 from transformers import BatchEncoding
 
 from lightning_pipetx import ElasticPipelineStrategy, Layout, find_blocks
@@ -226,20 +226,9 @@ def test_clipping_by_norm_counts_the_optimizer_s_parameters_only(strategy):
             grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             norms.append(float(torch.nn.utils.get_total_norm(grads)))
 
-    module = _EmbeddingsNotStepped()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=ElasticPipelineStrategy(cache=False) if strategy == "pipetx" else "auto",
-        max_steps=3,
-        gradient_clip_val=0.05,
-        callbacks=[StepNorm()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(module, task_loader("sequential", size=24))
+    chosen = ElasticPipelineStrategy(cache=False) if strategy == "pipetx" else "auto"
+    trainer = make_trainer([StepNorm()], strategy=chosen, max_steps=3, gradient_clip_val=0.05)
+    trainer.fit(_EmbeddingsNotStepped(), task_loader("sequential", size=24))
     assert norms[1:] == pytest.approx([0.05, 0.05], rel=1e-5)
 
 
@@ -256,16 +245,7 @@ class _ManualRegressor(_EmbeddingsNotStepped):
 
 
 def test_manual_optimization_is_refused_naming_the_alternatives():
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=ElasticPipelineStrategy(),
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = make_trainer([], strategy=ElasticPipelineStrategy(), max_steps=1)
     with pytest.raises(ValueError, match="manual optimization .* cannot run under it.*DDPStrategy"):
         trainer.fit(_ManualRegressor(), task_loader("sequential"))
 
