@@ -20,6 +20,7 @@ from lightning_pipetx.blocks import BlockSplit, find_blocks
 from lightning_pipetx.callbacks.freeze_guard import FreezeGuard
 from lightning_pipetx.callbacks.freeze_rule import FreezeDecision, decide
 from lightning_pipetx.pre_trace import PreTrace
+from lightning_pipetx.strategy.loss_scaling import unscales_in_own_step
 
 log = logging.getLogger("lightning_pipetx")
 
@@ -374,7 +375,7 @@ def _loss_scale_left_in(
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     if scaler is None or not scaler.is_enabled():
         return None
-    if not getattr(optimizer, "_step_supports_amp_scaling", False):  # what Lightning and torch's GradScaler check
+    if not unscales_in_own_step(optimizer):
         return None
     return scaler.scale(torch.ones((), device=device)).to(torch.float64)
 

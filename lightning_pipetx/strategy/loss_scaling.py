@@ -36,6 +36,12 @@ def agreeing_scaler(scaler: torch.amp.GradScaler, device: torch.device) -> Shard
     return scaler
 
 
+def unscales_in_own_step(optimizer: Any) -> bool:
+    """Whether ``optimizer`` unscales the gradients inside its own step (a fused AdamW): what
+    torch's GradScaler and Lightning check; such an optimizer's gradients stay scaled until then."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
 class OverflowAgreementError(ValueError):
     """``precision="16-mixed"`` with an optimizer whose step checks the gradients for an
     overflow by itself, under a pipeline: the stages could not agree on skipping a step."""
@@ -52,7 +58,7 @@ def refuse_unagreed_overflow(optimizers: list[torch.optim.Optimizer], scaler: An
     if scaler is None or pipeline_length <= 1:
         return
     for optimizer in optimizers:
-        if getattr(optimizer, "_step_supports_amp_scaling", False):  # what torch's GradScaler checks
+        if unscales_in_own_step(optimizer):
             name = type(optimizer).__name__
             raise OverflowAgreementError(
                 f"precision='16-mixed' with {name}(fused=True) under a {pipeline_length}-stage pipeline: the "
