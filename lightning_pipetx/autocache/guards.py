@@ -17,8 +17,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from lightning_pipetx.blocks import BlockSplit
@@ -57,20 +55,6 @@ CHANGED_PREFIX_INPUT = (
     "changes its batch before the model call: noise, masking, mixing). The last epoch may have used states "
     "cached from an earlier one for such samples; pass cache=False for an exact run."
 )
-
-
-@functools.lru_cache(maxsize=8)
-def _scattered_weights(length: int, device: torch.device) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(0)
-    return (1.0 + torch.rand(length, generator=generator, dtype=torch.float64)).to(device)
-
-
-def hidden_state_fingerprints(hidden: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """One float64 per sample of a hidden state ``[samples, ...]``, on ``device``. Its weights are
-    scattered: a normalised state's rows have zero mean, which smoothly varying weights would
-    cancel, hiding a changed token."""
-    flat = hidden.detach().reshape(hidden.shape[0], -1).to(device, torch.float64)
-    return flat @ _scattered_weights(flat.shape[1], device) + flat.shape[1]
 
 
 class InputGuard:

@@ -10,8 +10,7 @@ from typing import Any
 import torch
 
 from lightning_pipetx.autocache.cache import AutoCache
-from lightning_pipetx.autocache.guards import hidden_state_fingerprints
-from lightning_pipetx.strategy.fingerprint import sample_fingerprints
+from lightning_pipetx.strategy.fingerprint import hidden_state_fingerprints, sample_fingerprints
 from lightning_pipetx.strategy.p2p import Activation
 from lightning_pipetx.strategy.stage_hooks import StageHooks
 

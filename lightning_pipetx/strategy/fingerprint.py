@@ -2,6 +2,8 @@
 
 * :func:`sample_fingerprints`: one number per sample (AutoCache's input guard: a sample
   whose input changes between epochs must not be served from the cache);
+* :func:`hidden_state_fingerprints`: one number per sample of a float hidden state (AutoCache's
+  guard of what enters the frozen blocks);
 * :func:`batch_fingerprint`: one number per (micro-)batch, order-sensitive (every stage of
   a replica must read the same batch).
 
@@ -44,6 +46,20 @@ def sample_fingerprints(batch: Any, size: int, device: torch.device | None = Non
     # the widths, each weighted by its tensor's position: a change of shape changes the sum
     shape_term = sum((position + 1) * t.shape[1] for position, t in enumerate(tensors))
     return flat @ _weights(flat.shape[1], device) + shape_term
+
+
+@functools.lru_cache(maxsize=8)
+def _scattered_weights(length: int, device: torch.device) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    return (1.0 + torch.rand(length, generator=generator, dtype=torch.float64)).to(device)
+
+
+def hidden_state_fingerprints(hidden: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One float64 per sample of a hidden state ``[samples, ...]``, on ``device``. Its weights are
+    scattered: a normalised state's rows have zero mean, which the smooth weights of
+    :func:`sample_fingerprints` cancel, hiding a changed token."""
+    flat = hidden.detach().reshape(hidden.shape[0], -1).to(device, torch.float64)
+    return flat @ _scattered_weights(flat.shape[1], device) + flat.shape[1]
 
 
 def batch_fingerprint(batch: Any, device: torch.device | None = None) -> torch.Tensor:
