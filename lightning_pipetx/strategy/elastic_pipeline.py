@@ -261,13 +261,13 @@ class ElasticPipelineStrategy(DDPStrategy):
         # for an LR schedule): it is sharded by replica and recorded for AutoCache as it is built, so
         # that Lightning keeps it (building it again would draw another seed from the user's stream).
         self._layout0 = plan.layout
-        if trainer.state.fn == TrainerFn.FITTING and not self.lightning_module.automatic_optimization:
-            raise ManualOptimizationError(
-                "ElasticPipelineStrategy runs each training step's forward and backward itself (micro-batches "
-                "through the stages), so manual optimization (automatic_optimization = False, manual_backward) "
-                "cannot run under it. Use automatic optimization, or Lightning's DDPStrategy for this module."
-            )
         if trainer.state.fn == TrainerFn.FITTING:
+            if not self.lightning_module.automatic_optimization:
+                raise ManualOptimizationError(
+                    "ElasticPipelineStrategy runs each training step's forward and backward itself (micro-batches "
+                    "through the stages), so manual optimization (automatic_optimization = False, manual_backward) "
+                    "cannot run under it. Use automatic optimization, or Lightning's DDPStrategy for this module."
+                )
             # configure_optimizers sees every weight as one process would (it may group them by
             # shape or read them); the blocks this rank does not run are released after it.
             self.setup_optimizers(trainer)
