@@ -1,30 +1,31 @@
 """The CUDA path on one GPU (skipped on machines without one, such as CI's)."""
 
+import warnings
+
 import lightning.pytorch as pl
 import pytest
 import tiny_models as tm
 import torch
+from lightning.pytorch.callbacks import Callback
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def gpu_trainer(callbacks, max_epochs=3, **kwargs) -> pl.Trainer:
+    return tm.make_trainer(callbacks, max_epochs=max_epochs, accelerator="gpu", **kwargs)
+
+
 @pytest.mark.parametrize("strategy", ["auto", "elastic"])
 def test_freezing_trains_on_one_gpu(strategy, tmp_path):
     module = tm.TinyBertClassifier(seed=0, dropout=0.0)
     freeze = FreezeCallback(alpha=1 / 2, signal="schedule")
-    trainer = pl.Trainer(
-        accelerator="gpu",
-        devices=1,
+    trainer = gpu_trainer(
+        [freeze],
         strategy=ElasticPipelineStrategy(cache_dir=str(tmp_path)) if strategy == "elastic" else "auto",
         precision="bf16-mixed",
-        max_epochs=3,
-        callbacks=[freeze],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        num_sanity_val_steps=2,
     )
     frozen_before = {n: p.detach().clone() for n, p in module.model.bert.embeddings.named_parameters()}
     trainer.fit(module, tm.task_loader("bert", size=32, batch_size=8, shuffle=True))
@@ -34,3 +35,68 @@ def test_freezing_trains_on_one_gpu(strategy, tmp_path):
     for name, param in module.model.bert.embeddings.named_parameters():
         assert not param.requires_grad, name  # frozen after epoch 0 ...
         assert not torch.equal(param.detach(), frozen_before[name]), name  # ... trained during it
+
+
+class _HitRates(Callback):
+    def __init__(self):
+        self.rates = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        rate = trainer.callback_metrics.get("pipetx/cache_hit_rate")
+        self.rates.append(None if rate is None else float(rate))
+
+
+def test_autocache_guards_raise_no_false_alarm_under_bf16_with_dropout(tmp_path):
+    # Both guards fingerprint on the device in bf16: a batch that repeats must read as unchanged.
+    module = tm.TinyBertClassifier(seed=0, dropout=0.1)
+    rates = _HitRates()
+    freeze = FreezeCallback(alpha=1 / 2, signal="schedule")
+    trainer = gpu_trainer(
+        [freeze, rates],
+        max_epochs=5,
+        strategy=ElasticPipelineStrategy(cache=True, profile_steps=0, cache_dir=str(tmp_path)),
+        precision="bf16-mixed",
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, tm.task_loader("bert", size=32, batch_size=8, shuffle=True))
+    ours = [str(w.message) for w in caught if "lightning_pipetx" in w.filename]
+    assert not ours, ours
+    assert rates.rates[-1] == 1.0, rates.rates
+
+
+class _FusedBert(tm.TinyBertClassifier):
+    def __init__(self, fused: bool, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fused = fused
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, fused=self.fused)
+
+
+class _NormsAtEpochEnd(Callback):
+    def __init__(self, fc: FreezeCallback) -> None:
+        self.fc = fc
+        self.states: list[dict] = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.states.append(self.fc.state_dict())
+
+
+def test_gradient_norms_are_unscaled_under_fp16_with_a_fused_optimizer_on_gpu():
+    # A fused AdamW unscales inside its own step: the callback divides by the scale read on the device.
+    states = {}
+    for fused in (False, True):
+        pl.seed_everything(0)
+        fc = FreezeCallback()
+        peek = _NormsAtEpochEnd(fc)
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12)
+        plugin = pl.plugins.MixedPrecision("16-mixed", "cuda", scaler=scaler)
+        gpu_trainer([peek, fc], max_epochs=1, plugins=[plugin]).fit(
+            _FusedBert(fused, seed=0, dropout=0.0), tm.task_loader("bert", size=32, batch_size=8)
+        )
+        assert scaler.get_scale() == 2.0**12  # no step overflowed: every step was measured
+        states[fused] = peek.states[0]
+    assert states[True]["norm_steps"] == states[False]["norm_steps"] == 4
+    assert 0 < states[False]["norm_sums"][0] < 100
+    assert states[True]["norm_sums"] == pytest.approx(states[False]["norm_sums"], rel=1e-3)
