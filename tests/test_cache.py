@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 from lightning_pipetx.autocache import AutoCache, TrainablePrefixError
+from lightning_pipetx.autocache.guards import InputGuard
 from lightning_pipetx.strategy.p2p import Activation
 
 
@@ -262,9 +263,29 @@ def _checked(cache, size=4):
     indices = torch.arange(size)
     for _ in range(2):
         cache.guard.observe(indices, indices.to(torch.float64))
-    cache.begin_epoch(group_size=1)
+        cache.begin_epoch(group_size=1)
     assert cache.guard.trusted
     return cache
+
+
+def test_the_input_guard_compares_each_sample_with_the_last_epoch_that_saw_it():
+    guard = InputGuard(num_samples=4, device=torch.device("cpu"))
+    guard.observe(torch.arange(4), torch.zeros(4, dtype=torch.float64))
+    assert guard.take_counts().tolist() == [0, 0]  # nothing seen before
+    guard.observe(torch.tensor([0, 1]), torch.zeros(2, dtype=torch.float64))
+    assert guard.take_counts().tolist() == [2, 0]
+    guard.observe(torch.tensor([2, 3]), torch.tensor([0.0, 7.0], dtype=torch.float64))  # 3 changed since epoch 0
+    assert guard.take_counts().tolist() == [2, 1]
+    guard.observe(torch.tensor([3]), torch.tensor([7.0], dtype=torch.float64))  # as last seen: unchanged
+    assert guard.take_counts().tolist() == [1, 0]
+
+
+def test_the_prefix_guard_tolerates_a_relative_difference_below_its_tolerance():
+    guard = InputGuard(num_samples=2, device=torch.device("cpu"), tolerance=1e-4)
+    guard.observe(torch.arange(2), torch.tensor([1000.0, 1000.0], dtype=torch.float64))
+    guard.take_counts()
+    guard.observe(torch.arange(2), torch.tensor([1000.05, 1000.5], dtype=torch.float64))
+    assert guard.take_counts().tolist() == [2, 1]
 
 
 def test_old_depths_files_are_freed_when_the_depth_grows(tmp_path):

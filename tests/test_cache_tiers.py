@@ -22,7 +22,7 @@ def _checked(cache, size):
     indices = torch.arange(size)
     for _ in range(2):  # two epochs saw the same inputs
         cache.guard.observe(indices, indices.to(torch.float64))
-    cache.begin_epoch(group_size=1)
+        cache.begin_epoch(group_size=1)
     return cache
 
 

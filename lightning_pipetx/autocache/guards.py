@@ -5,8 +5,8 @@
   state stale and lose its gradient.
 * :class:`InputGuard`: a fingerprint of every sample's input, kept on the training device;
   a sample whose input changed since the last epoch that saw it (random augmentation,
-  dynamic padding) is counted on the device, without a host copy, and the count is read
-  once per epoch. The cache serves nothing before one such check of the loaded batches has
+  dynamic padding) is counted on the device, without a host copy, once per epoch, when the
+  count is read. The cache serves nothing before one such check of the loaded batches has
   passed, so a stale state is never read for a change the loader makes: the epoch that fills
   the cache is always compared with an earlier one. A second guard watches what enters the
   frozen blocks (the output of the frozen embeddings), which a ``training_step`` that changes
@@ -58,37 +58,40 @@ CHANGED_PREFIX_INPUT = (
 
 
 class InputGuard:
-    """Per-sample input fingerprints on ``device``, compared with the previous epoch's.
+    """Per-sample input fingerprints on ``device``, compared with those of earlier epochs.
 
-    ``tolerance``: the relative difference that counts as a change (0: any; a float input
-    computed on a GPU may differ in its last bits from run to run)."""
+    A step only records its fingerprints (two writes on the device); the comparison with the
+    last earlier fingerprint of each sample is made once, when the counts are taken (at the
+    start of an epoch). ``tolerance``: the relative difference that counts as a change (0: any;
+    a float input computed on a GPU may differ in its last bits from run to run)."""
 
     def __init__(self, num_samples: int, device: torch.device, tolerance: float = 0.0) -> None:
         self.tolerance = tolerance
-        self._fingerprints = torch.zeros(num_samples, dtype=torch.float64, device=device)
-        self._seen = torch.zeros(num_samples, dtype=torch.bool, device=device)
-        # [samples compared, samples changed] since the last verdict, on the device.
-        self._counts = torch.zeros(2, dtype=torch.float64, device=device)
+        self._earlier = torch.zeros(num_samples, dtype=torch.float64, device=device)
+        self._earlier_seen = torch.zeros(num_samples, dtype=torch.bool, device=device)
+        self._latest = torch.zeros_like(self._earlier)  # since the counts were last taken
+        self._latest_seen = torch.zeros_like(self._earlier_seen)
         self.trusted = False  # one verdict found compared samples and no change
 
     def observe(self, indices: torch.Tensor, fingerprints: torch.Tensor) -> None:
         """Record this step's fingerprints (``indices`` on the host); no host synchronisation."""
-        indices = indices.to(self._seen.device, non_blocking=True)
-        seen = self._seen[indices]
-        earlier = self._fingerprints[indices]
-        if self.tolerance:
-            differs = (earlier - fingerprints).abs() > self.tolerance * (earlier.abs() + 1.0)
-        else:
-            differs = earlier != fingerprints
-        changed = seen & differs
-        self._counts += torch.stack([seen.sum(), changed.sum()]).to(torch.float64)
-        self._fingerprints[indices] = fingerprints
-        self._seen[indices] = True
+        indices = indices.to(self._latest.device, non_blocking=True)
+        self._latest[indices] = fingerprints
+        self._latest_seen[indices] = True
 
     def take_counts(self) -> torch.Tensor:
-        """``[samples compared, samples changed]`` since the last call (on the device)."""
-        counts = self._counts.clone()
-        self._counts.zero_()
+        """``[samples compared, samples changed]`` since the last call (on the device): each
+        sample recorded since then against its fingerprint from before it."""
+        earlier, latest = self._earlier, self._latest
+        compared = self._earlier_seen & self._latest_seen
+        if self.tolerance:
+            differs = (earlier - latest).abs() > self.tolerance * (earlier.abs() + 1.0)
+        else:
+            differs = earlier != latest
+        counts = torch.stack([compared.sum(), (compared & differs).sum()]).to(torch.float64)
+        self._earlier = torch.where(self._latest_seen, latest, earlier)
+        self._earlier_seen |= self._latest_seen
+        self._latest_seen.zero_()
         return counts
 
     def judge(self, compared: float, changed: float) -> bool:
