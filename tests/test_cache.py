@@ -8,7 +8,6 @@ import lightning.pytorch as pl
 import pytest
 import tiny_models as tm
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -18,23 +17,10 @@ from lightning_pipetx.autocache.guards import InputGuard
 from lightning_pipetx.strategy.p2p import Activation
 
 
-class HitRates(Callback):
-    """``pipetx/cache_hit_rate`` of every epoch (None before anything is frozen)."""
-
-    def __init__(self):
-        self.rates = []
-
-    def on_train_epoch_end(self, trainer, pl_module):
-        rate = trainer.callback_metrics.get("pipetx/cache_hit_rate")
-        self.rates.append(
-            None if rate is None or trainer.callback_metrics.get("pipetx/frozen_blocks") == 0 else float(rate)
-        )
-
-
 def fit(cache, dataset, tmp_path, epochs=4, freeze_interval=1, collate_fn=None, module=None, **strategy_kwargs):
     module = module or tm.TinyBertClassifier(seed=0, dropout=0.0)
     freeze = FreezeCallback(alpha=1 / 2, signal="schedule", freeze_interval=freeze_interval)
-    rates = HitRates()
+    rates = tm.HitRates()
     strategy = ElasticPipelineStrategy(
         cache=cache, profile_steps=0, cache_dir=str(tmp_path / "spill"), **strategy_kwargs
     )

@@ -6,7 +6,6 @@ import lightning.pytorch as pl
 import pytest
 import tiny_models as tm
 import torch
-from lightning.pytorch.callbacks import Callback
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 
@@ -37,19 +36,10 @@ def test_freezing_trains_on_one_gpu(strategy, tmp_path):
         assert not torch.equal(param.detach(), frozen_before[name]), name  # ... trained during it
 
 
-class _HitRates(Callback):
-    def __init__(self):
-        self.rates = []
-
-    def on_train_epoch_end(self, trainer, pl_module):
-        rate = trainer.callback_metrics.get("pipetx/cache_hit_rate")
-        self.rates.append(None if rate is None else float(rate))
-
-
 def test_autocache_guards_raise_no_false_alarm_under_bf16_with_dropout(tmp_path):
     # Both guards fingerprint on the device in bf16: a batch that repeats must read as unchanged.
     module = tm.TinyBertClassifier(seed=0, dropout=0.1)
-    rates = _HitRates()
+    rates = tm.HitRates()
     freeze = FreezeCallback(alpha=1 / 2, signal="schedule")
     trainer = gpu_trainer(
         [freeze, rates],

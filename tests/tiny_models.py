@@ -556,6 +556,19 @@ def task_loader(name: str, size: int = 32, batch_size: int = 8, seed: int = 0, s
 
 
 # ---------------------------------------------------------------------- trainers
+class HitRates(pl.Callback):
+    """``pipetx/cache_hit_rate`` of every epoch (None before anything is frozen)."""
+
+    def __init__(self):
+        self.rates = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        rate = trainer.callback_metrics.get("pipetx/cache_hit_rate")
+        self.rates.append(
+            None if rate is None or trainer.callback_metrics.get("pipetx/frozen_blocks") == 0 else float(rate)
+        )
+
+
 def make_trainer(callbacks, max_epochs=3, **kwargs) -> pl.Trainer:
     """A quiet single-CPU Trainer (no logger, checkpoints, progress bar or sanity check)."""
     options = dict(
