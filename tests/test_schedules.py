@@ -1,6 +1,8 @@
 """The pipeline's communication cannot deadlock, even when every send blocks until its
 receive is posted (NCCL's rule): a model check of every stage's batches of sends and receives."""
 
+import random
+
 import pytest
 
 from lightning_pipetx.strategy.stage_runner import Op, communication_plan, schedule_actions
@@ -62,12 +64,33 @@ def deadlocks(plans: list[list[list[Op]]]) -> bool:
     return any(position[s] < len(plans[s]) for s in range(num_stages))
 
 
+def _shape_changes(microbatches):
+    """Which micro-batches change shape: none, every one, and seeded random subsets."""
+    rng = random.Random(microbatches)
+    every = frozenset(range(microbatches))
+    return [frozenset(), every] + [frozenset(i for i in every if rng.random() < 0.5) for _ in range(3)]
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("num_stages", range(2, 9))
 def test_no_schedule_deadlocks_under_strict_sends(schedule, num_stages):
     for microbatches in range(1, 17):
-        plans = [communication_plan(schedule, num_stages, s, microbatches) for s in range(num_stages)]
-        assert not deadlocks(plans), (schedule, num_stages, microbatches)
+        for changed in _shape_changes(microbatches):
+            plans = [communication_plan(schedule, num_stages, s, microbatches, changed) for s in range(num_stages)]
+            assert not deadlocks(plans), (schedule, num_stages, microbatches, sorted(changed))
+
+
+def test_only_the_first_activation_of_a_step_and_a_changed_one_take_a_second_batch():
+    plan = communication_plan("gpipe", 2, 1, 4, changed=frozenset({2}))
+    acts = [[op.message for op in batch] for batch in plan if batch and batch[0].message[0] == "act"]
+    assert acts == [
+        [("act", 0, "header")],
+        [("act", 0, "payload")],
+        [("act", 1, "header"), ("act", 1, "payload")],
+        [("act", 2, "header"), ("act", 2, "stand-in")],
+        [("act", 2, "payload")],
+        [("act", 3, "header"), ("act", 3, "payload")],
+    ]
 
 
 def _unpaired_plan(schedule, num_stages, stage, microbatches):
@@ -95,8 +118,8 @@ def test_the_checker_finds_the_deadlock_of_unpaired_sends_in_1f1b():
 
 
 def test_every_send_of_a_plan_has_its_receive():
-    for schedule in ("gpipe", "1f1b"):
-        plans = [communication_plan(schedule, 4, s, 6) for s in range(4)]
+    for schedule, changed in [("gpipe", frozenset()), ("1f1b", frozenset()), ("1f1b", frozenset({1, 4}))]:
+        plans = [communication_plan(schedule, 4, s, 6, changed) for s in range(4)]
         sends = sorted((s, op.peer, op.message) for s, plan in enumerate(plans) for b in plan for op in b if op.send)
         recvs = sorted(
             (op.peer, s, op.message) for s, plan in enumerate(plans) for b in plan for op in b if not op.send

@@ -6,6 +6,11 @@ preceded by a small fixed-size header (dtypes, shapes, which elements send a gra
 the tuple's length, and a fingerprint of the micro-batch), so shapes may change from one
 micro-batch to the next without any rank knowing them in advance. Gradients need no header.
 
+Within a training step a receiver expects the shapes of the step's previous activation: it
+posts the header and buffers of those shapes in one batch, which saves a round trip per
+micro-batch. When the shapes did change, the sender fills the expected buffers with a stand-in
+and sends the activation after it, as the header says (:func:`stand_in_sends`).
+
 Transfers are posted in batches (:func:`torch.distributed.batch_isend_irecv`, an NCCL group):
 the stage runner pairs the sends of one action with the receives of the next, in an order
 that cannot deadlock even when every send blocks until its receive is posted (NCCL's rule;
@@ -30,7 +35,8 @@ import torch.distributed as dist
 MAX_TENSORS = 4  # tensor elements of a block's output that may cross a stage boundary
 MAX_DIMS = 8
 _ELEMENT_LEN = 4 + MAX_DIMS  # present, dtype, needs_grad, ndim, shape...
-HEADER_LEN = 3 + MAX_TENSORS * _ELEMENT_LEN
+_FIELDS = 4  # tuple length, has fingerprint, fingerprint, a stand-in precedes the payload
+HEADER_LEN = _FIELDS + MAX_TENSORS * _ELEMENT_LEN
 _DTYPES = [
     torch.float32,
     torch.float16,
@@ -105,21 +111,32 @@ class Activation:
         return tuple(self.tensors) + (None,) * (self.tuple_len - len(self.tensors))
 
     @property
+    def layout(self) -> tuple:
+        """What a receiver must know to post its buffers: the tuple's length, and each
+        element's dtype, shape and gradient flag."""
+        elements = tuple(
+            None if t is None else (t.dtype, tuple(t.shape), need) for t, need in zip(self.tensors, self.needs_grad)
+        )
+        return self.tuple_len, elements
+
+    @property
     def extra_tensors(self) -> int:
         """Tensor elements besides the hidden state."""
         return sum(t is not None for t in self.tensors[1:])
 
-    def header(self, fingerprint: torch.Tensor | None) -> torch.Tensor:
-        """The header announcing this activation (int64, on the first tensor's device)."""
+    def header(self, fingerprint: torch.Tensor | None, stand_in: bool = False) -> torch.Tensor:
+        """The header announcing this activation (int64, on the first tensor's device);
+        ``stand_in``: a stand-in of the expected shapes comes before the payload."""
         header = torch.zeros(HEADER_LEN, dtype=torch.int64)
         header[0] = self.tuple_len
         header[1] = int(fingerprint is not None)
+        header[3] = int(stand_in)
         for e, tensor in enumerate(self.tensors[:MAX_TENSORS]):
             if tensor is None:
                 continue
             if tensor.dim() > MAX_DIMS:
                 raise BoundaryError(f"hidden states with more than {MAX_DIMS} dimensions cannot cross a stage")
-            base = 3 + e * _ELEMENT_LEN
+            base = _FIELDS + e * _ELEMENT_LEN
             header[base : base + 4] = torch.tensor(
                 [1, _DTYPES.index(tensor.dtype), int(self.needs_grad[e]), tensor.dim()]
             )
@@ -130,13 +147,33 @@ class Activation:
         return header
 
 
-def allocate(header: torch.Tensor, device: torch.device) -> Activation:
-    """Empty tensors for the activation announced by ``header`` (read on the host)."""
+def stand_in_sends(expected: Activation, act: Activation) -> list[torch.Tensor]:
+    """What to send before ``act``'s payload to a receiver that posted buffers for
+    ``expected``: nothing when the layouts agree, else a stand-in of the expected shapes."""
+    if expected.layout == act.layout:
+        return []
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in expected.tensors if t is not None]
+
+
+def empty_like_activation(act: Activation) -> Activation:
+    """Receive buffers of ``act``'s layout."""
+    tensors = tuple(
+        None if t is None else torch.empty_like(t, memory_format=torch.contiguous_format) for t in act.tensors
+    )
+    return Activation(tensors, act.needs_grad, act.tuple_len)
+
+
+def allocate(header: torch.Tensor, device: torch.device, received: Activation | None = None) -> tuple[Activation, bool]:
+    """The activation announced by ``header`` (read on the host), and whether it has arrived:
+    ``received``, buffers filled in the header's batch, unless the header says they held a
+    stand-in; else empty tensors to receive it into."""
     values = header.tolist()
     fingerprint = struct.unpack("<d", struct.pack("<q", values[2]))[0] if values[1] else None
+    if received is not None and not values[3]:
+        return Activation(received.tensors, received.needs_grad, received.tuple_len, fingerprint), True
     tensors, needs_grad = [], []
     for e in range(MAX_TENSORS):
-        base = 3 + e * _ELEMENT_LEN
+        base = _FIELDS + e * _ELEMENT_LEN
         present, dtype, grad, ndim = values[base : base + 4]
         if not present:
             tensors.append(None)
@@ -146,7 +183,7 @@ def allocate(header: torch.Tensor, device: torch.device) -> Activation:
         tensors.append(torch.empty(shape, dtype=_DTYPES[dtype], device=device))
         needs_grad.append(bool(grad))
     count = max(1, values[0])
-    return Activation(tuple(tensors[:count]), tuple(needs_grad[:count]), values[0], fingerprint)
+    return Activation(tuple(tensors[:count]), tuple(needs_grad[:count]), values[0], fingerprint), False
 
 
 def empty_header(device: torch.device) -> torch.Tensor:

@@ -8,16 +8,18 @@ through :meth:`StageRunner.receive_activation` and :meth:`StageRunner.send_activ
 called by :mod:`~lightning_pipetx.strategy.output_relay`.
 
 Communication follows :func:`communication_plan`: before each action, the sends the previous
-action produced and the receives this action needs are posted as one batch (an NCCL group),
-and an activation's payload is received in a second batch once its header has told its
-shapes. The plan is what the runner executes, and what the tests check cannot deadlock when
-every send blocks until its receive is posted.
+action produced and the receives this action needs are posted as one batch (an NCCL group).
+The first activation of a step is received in two batches, its header and then the payload
+whose shapes the header tells; the later ones in one, into buffers of the step's previous
+activation's shapes (a second batch follows only when the shapes changed). The plan is what
+the runner executes, and what the tests check cannot deadlock when every send blocks until
+its receive is posted.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +27,14 @@ import torch
 import torch.distributed as dist
 
 from lightning_pipetx.strategy.fingerprint import batch_fingerprint
-from lightning_pipetx.strategy.p2p import Activation, Channel, allocate, empty_header
+from lightning_pipetx.strategy.p2p import (
+    Activation,
+    Channel,
+    allocate,
+    empty_header,
+    empty_like_activation,
+    stand_in_sends,
+)
 from lightning_pipetx.strategy.stage_hooks import StageExit, StageHooks
 from lightning_pipetx.strategy.topology import Topology
 
@@ -62,42 +71,54 @@ class Op:
     message: tuple[str, int, str]
 
 
-def _receives(kind: str, i: int, stage: int, num_stages: int) -> list[list[Op]]:
-    """The receive batches an action needs before it runs (header first, then payload)."""
+def _receives(kind: str, i: int, stage: int, num_stages: int, changed: Set[int]) -> list[list[Op]]:
+    """The receive batches an action needs before it runs: for the step's first activation the
+    header, then the payload; for a later one both at once, and when its shapes ``changed`` the
+    stand-in first, then the payload."""
     if kind == "F" and stage > 0:
-        return [[Op(False, stage - 1, ("act", i, "header"))], [Op(False, stage - 1, ("act", i, "payload"))]]
+        header, payload = Op(False, stage - 1, ("act", i, "header")), Op(False, stage - 1, ("act", i, "payload"))
+        if i == 0:
+            return [[header], [payload]]
+        if i in changed:
+            return [[header, Op(False, stage - 1, ("act", i, "stand-in"))], [payload]]
+        return [[header, payload]]
     if kind == "B" and stage < num_stages - 1:
         return [[Op(False, stage + 1, ("grad", i, ""))]]
     return [[]]
 
 
-def _sends(kind: str, i: int, stage: int, num_stages: int) -> list[Op]:
+def _sends(kind: str, i: int, stage: int, num_stages: int, changed: Set[int]) -> list[Op]:
     """What an action sends once it has run."""
     if kind == "F" and stage < num_stages - 1:
-        return [Op(True, stage + 1, ("act", i, "header")), Op(True, stage + 1, ("act", i, "payload"))]
+        stand_in = [Op(True, stage + 1, ("act", i, "stand-in"))] if i > 0 and i in changed else []
+        return [Op(True, stage + 1, ("act", i, "header")), *stand_in, Op(True, stage + 1, ("act", i, "payload"))]
     if kind == "B" and stage > 0:
         return [Op(True, stage - 1, ("grad", i, ""))]
     return []
 
 
-def communication_plan(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> list[list[Op]]:
-    """The batches of sends and receives one stage posts during a step, in order.
+def communication_plan(
+    schedule: str, num_stages: int, stage: int, num_microbatches: int, changed: Set[int] = frozenset()
+) -> list[list[Op]]:
+    """The batches of sends and receives one stage posts during a step, in order; ``changed``:
+    the micro-batches whose hidden-state shapes differ from the micro-batch before them.
 
     Before action ``k`` the stage posts one batch: what action ``k - 1`` produced (sends)
-    together with what action ``k`` needs (receives: a gradient, or an activation's header);
-    an activation's payload follows in a batch of its own. A batch is posted only when the
-    previous one has completed. Under GPipe and 1F1B this pairs every send with a receive the
-    peer has already posted or posts in its own current batch (Megatron's
-    send-forward-receive-backward pairing), so no send waits on a peer that waits on it.
+    together with what action ``k`` needs (receives: a gradient, or an activation's header and,
+    after the step's first, its payload); the first activation's payload, and one whose shapes
+    changed, follows in a batch of its own. A batch is posted only when the previous one has
+    completed. Under GPipe and 1F1B this pairs every send with a receive the peer has already
+    posted or posts in its own current batch (Megatron's send-forward-receive-backward
+    pairing), so no send waits on a peer that waits on it.
     """
     actions = schedule_actions(schedule, num_stages, stage, num_microbatches)
     batches: list[list[Op]] = []
     outbox: list[Op] = []
     for kind, i in actions:
-        first, *rest = _receives(kind, i, stage, num_stages)
+        first, *rest = _receives(kind, i, stage, num_stages, changed)
         batches.append(outbox + first)
         batches.extend(rest)
-        outbox = _sends(kind, i, stage, num_stages)
+        outbox = _sends(kind, i, stage, num_stages, changed)
     batches.append(outbox)
     return [batch for batch in batches if batch]
 
@@ -145,12 +166,18 @@ class StageRunner:
         self._mismatches: torch.Tensor | None = None  # micro-batches whose fingerprint differed, on device
 
     # ------------------------------------------------------- communication
-    def _receive_activation(self, outbox: list[tuple[torch.Tensor, int]], microbatch: Any) -> Activation:
+    def _receive_activation(
+        self, outbox: list[tuple[torch.Tensor, int]], microbatch: Any, expected: Activation | None = None
+    ) -> Activation:
+        """``expected``: the step's previous activation from this peer, whose shapes are posted
+        with the header; None: the header first, then the payload."""
         prev, device = self.topology.prev_rank, self.channel.device
         header = empty_header(device)
-        self.channel.exchange(outbox, [(header, prev)])
-        act = allocate(header, device)
-        self.channel.exchange([], [(t, prev) for t in act.tensors if t is not None])
+        guess = None if expected is None else empty_like_activation(expected)
+        self.channel.exchange(outbox, [(header, prev)] + self._buffers(guess))
+        act, arrived = allocate(header, device, guess)
+        if not arrived:
+            self.channel.exchange([], self._buffers(act))
         if act.fingerprint is not None:
             differs = batch_fingerprint(microbatch, device) != act.fingerprint
             self._mismatches = differs.int() if self._mismatches is None else self._mismatches + differs.int()
@@ -161,10 +188,17 @@ class StageRunner:
         )
         return Activation(tensors, act.needs_grad, act.tuple_len, act.fingerprint)
 
-    def _activation_sends(self, act: Activation, microbatch: Any) -> list[tuple[torch.Tensor, int]]:
-        nxt = self.topology.next_rank
-        header = act.header(batch_fingerprint(microbatch, act.tensor.device))
-        return [(header, nxt)] + [(t.detach().contiguous(), nxt) for t in act.tensors if t is not None]
+    def _buffers(self, act: Activation | None) -> list[tuple[torch.Tensor, int]]:
+        return [] if act is None else [(t, self.topology.prev_rank) for t in act.tensors if t is not None]
+
+    def _activation_sends(
+        self, act: Activation, microbatch: Any, expected: Activation | None = None
+    ) -> list[tuple[torch.Tensor, int]]:
+        """``expected``: what the next stage posted buffers for (the step's previous activation)."""
+        stand_in = [] if expected is None else stand_in_sends(expected, act)
+        header = act.header(batch_fingerprint(microbatch, act.tensor.device), stand_in=bool(stand_in))
+        payload = [t.detach().contiguous() for t in act.tensors if t is not None]
+        return [(t, self.topology.next_rank) for t in [header, *stand_in, *payload]]
 
     def receive_activation(self, microbatch: Any) -> Activation:
         """Receive the hidden state of ``microbatch`` from the previous stage (evaluation)."""
@@ -211,7 +245,8 @@ class StageRunner:
     # ------------------------------------------------------------ forward
     def _forward(
         self, microbatch: Any, step_fn: Callable[[Any], Any], position: int, incoming: Activation | None
-    ) -> tuple[_InFlight, list[tuple[torch.Tensor, int]]]:
+    ) -> tuple[_InFlight, Activation | None]:
+        """Run one micro-batch's forward; returns it in flight and the activation to send on."""
         topo = self.topology
         self.hooks.incoming = incoming
         try:
@@ -220,7 +255,7 @@ class StageRunner:
         except StageExit as boundary:
             act = boundary.activation
             sent = act if any(act.needs_grad) else None
-            return _InFlight(incoming, sent), self._activation_sends(act, microbatch)
+            return _InFlight(incoming, sent), act
         finally:
             self.hooks.incoming = None
         if not topo.is_last_stage:
@@ -228,7 +263,7 @@ class StageRunner:
                 f"stage {topo.stage} finished its step without reaching block {self.hooks.end - 1}: the "
                 f"model's forward must run every block for each micro-batch."
             )
-        return _InFlight(incoming, output), []
+        return _InFlight(incoming, output), None
 
     # ----------------------------------------------------------- backward
     def _backward(self, flight: _InFlight, loss_weight: float, grads: list[torch.Tensor]) -> list:
@@ -274,6 +309,7 @@ class StageRunner:
         flights: dict[int, _InFlight] = {}
         outputs: list[Any] = [None] * len(microbatches)
         outbox: list[tuple[torch.Tensor, int]] = []
+        received = sent = None  # the step's last activation from the previous stage and to the next
         actions = schedule_actions(schedule, topo.pipeline_length, topo.stage, len(microbatches))
         for position, (kind, i) in enumerate(actions):
             if position == len(actions) - 1:
@@ -283,8 +319,10 @@ class StageRunner:
                 if topo.is_first_stage:
                     self.channel.exchange(outbox, [])
                 else:
-                    incoming = self._receive_activation(outbox, microbatches[i])
-                flight, outbox = self._forward(microbatches[i], step_fn, i, incoming)
+                    incoming = received = self._receive_activation(outbox, microbatches[i], received)
+                flight, act = self._forward(microbatches[i], step_fn, i, incoming)
+                outbox = [] if act is None else self._activation_sends(act, microbatches[i], sent)
+                sent = act
                 if topo.is_last_stage:
                     outputs[i] = flight.output
                     flight.loss = extract_loss(flight.output)
