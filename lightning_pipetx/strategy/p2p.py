@@ -147,20 +147,19 @@ class Activation:
         return header
 
 
-def stand_in_sends(expected: Activation, act: Activation) -> list[torch.Tensor]:
-    """What to send before ``act``'s payload to a receiver that posted buffers for
-    ``expected``: nothing when the layouts agree, else a stand-in of the expected shapes."""
-    if expected.layout == act.layout:
+def buffers_for(layout: tuple, device: torch.device) -> Activation:
+    """Empty tensors of an :attr:`Activation.layout`."""
+    tuple_len, elements = layout
+    tensors = tuple(None if e is None else torch.empty(e[1], dtype=e[0], device=device) for e in elements)
+    return Activation(tensors, tuple(e is not None and e[2] for e in elements), tuple_len)
+
+
+def stand_in_sends(expected: tuple, act: Activation) -> list[torch.Tensor]:
+    """What to send before ``act``'s payload to a receiver that posted buffers of the layout
+    ``expected``: nothing when ``act`` has that layout, else a stand-in of it."""
+    if expected == act.layout:
         return []
-    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in expected.tensors if t is not None]
-
-
-def empty_like_activation(act: Activation) -> Activation:
-    """Receive buffers of ``act``'s layout."""
-    tensors = tuple(
-        None if t is None else torch.empty_like(t, memory_format=torch.contiguous_format) for t in act.tensors
-    )
-    return Activation(tensors, act.needs_grad, act.tuple_len)
+    return [t for t in buffers_for(expected, act.tensor.device).tensors if t is not None]
 
 
 def allocate(header: torch.Tensor, device: torch.device, received: Activation | None = None) -> tuple[Activation, bool]:

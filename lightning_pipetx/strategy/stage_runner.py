@@ -31,8 +31,8 @@ from lightning_pipetx.strategy.p2p import (
     Activation,
     Channel,
     allocate,
+    buffers_for,
     empty_header,
-    empty_like_activation,
     stand_in_sends,
 )
 from lightning_pipetx.strategy.stage_hooks import StageExit, StageHooks
@@ -167,13 +167,13 @@ class StageRunner:
 
     # ------------------------------------------------------- communication
     def _receive_activation(
-        self, outbox: list[tuple[torch.Tensor, int]], microbatch: Any, expected: Activation | None = None
+        self, outbox: list[tuple[torch.Tensor, int]], microbatch: Any, expected: tuple | None = None
     ) -> Activation:
-        """``expected``: the step's previous activation from this peer, whose shapes are posted
-        with the header; None: the header first, then the payload."""
+        """``expected``: the layout of the step's previous activation from this peer, whose
+        buffers are posted with the header; None: the header first, then the payload."""
         prev, device = self.topology.prev_rank, self.channel.device
         header = empty_header(device)
-        guess = None if expected is None else empty_like_activation(expected)
+        guess = None if expected is None else buffers_for(expected, device)
         self.channel.exchange(outbox, [(header, prev)] + self._buffers(guess))
         act, arrived = allocate(header, device, guess)
         if not arrived:
@@ -192,9 +192,9 @@ class StageRunner:
         return [] if act is None else [(t, self.topology.prev_rank) for t in act.tensors if t is not None]
 
     def _activation_sends(
-        self, act: Activation, microbatch: Any, expected: Activation | None = None
+        self, act: Activation, microbatch: Any, expected: tuple | None = None
     ) -> list[tuple[torch.Tensor, int]]:
-        """``expected``: what the next stage posted buffers for (the step's previous activation)."""
+        """``expected``: the layout the next stage posted buffers of (the step's previous activation's)."""
         stand_in = [] if expected is None else stand_in_sends(expected, act)
         header = act.header(batch_fingerprint(microbatch, act.tensor.device), stand_in=bool(stand_in))
         payload = [t.detach().contiguous() for t in act.tensors if t is not None]
@@ -309,7 +309,7 @@ class StageRunner:
         flights: dict[int, _InFlight] = {}
         outputs: list[Any] = [None] * len(microbatches)
         outbox: list[tuple[torch.Tensor, int]] = []
-        received = sent = None  # the step's last activation from the previous stage and to the next
+        received = sent = None  # layouts of the step's last activation from the previous stage and to the next
         actions = schedule_actions(schedule, topo.pipeline_length, topo.stage, len(microbatches))
         for position, (kind, i) in enumerate(actions):
             if position == len(actions) - 1:
@@ -319,10 +319,11 @@ class StageRunner:
                 if topo.is_first_stage:
                     self.channel.exchange(outbox, [])
                 else:
-                    incoming = received = self._receive_activation(outbox, microbatches[i], received)
+                    incoming = self._receive_activation(outbox, microbatches[i], received)
+                    received = incoming.layout
                 flight, act = self._forward(microbatches[i], step_fn, i, incoming)
                 outbox = [] if act is None else self._activation_sends(act, microbatches[i], sent)
-                sent = act
+                sent = None if act is None else act.layout
                 if topo.is_last_stage:
                     outputs[i] = flight.output
                     flight.loss = extract_loss(flight.output)
