@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -162,6 +162,17 @@ def stand_in_sends(expected: tuple, act: Activation) -> list[torch.Tensor]:
     return [t for t in buffers_for(expected, act.tensor.device).tensors if t is not None]
 
 
+def _announced_layout(values: list[int]) -> tuple:
+    """The :attr:`Activation.layout` a header (read on the host) announces."""
+    elements = []
+    for e in range(MAX_TENSORS):
+        base = _FIELDS + e * _ELEMENT_LEN
+        present, dtype, grad, ndim = values[base : base + 4]
+        shape = tuple(values[base + 4 : base + 4 + ndim])
+        elements.append((_DTYPES[dtype], shape, bool(grad)) if present else None)
+    return values[0], tuple(elements[: max(1, values[0])])
+
+
 def allocate(header: torch.Tensor, device: torch.device, received: Activation | None = None) -> tuple[Activation, bool]:
     """The activation announced by ``header`` (read on the host), and whether it has arrived:
     ``received``, buffers filled in the header's batch, unless the header says they held a
@@ -169,20 +180,8 @@ def allocate(header: torch.Tensor, device: torch.device, received: Activation | 
     values = header.tolist()
     fingerprint = struct.unpack("<d", struct.pack("<q", values[2]))[0] if values[1] else None
     if received is not None and not values[3]:
-        return Activation(received.tensors, received.needs_grad, received.tuple_len, fingerprint), True
-    tensors, needs_grad = [], []
-    for e in range(MAX_TENSORS):
-        base = _FIELDS + e * _ELEMENT_LEN
-        present, dtype, grad, ndim = values[base : base + 4]
-        if not present:
-            tensors.append(None)
-            needs_grad.append(False)
-            continue
-        shape = values[base + 4 : base + 4 + ndim]
-        tensors.append(torch.empty(shape, dtype=_DTYPES[dtype], device=device))
-        needs_grad.append(bool(grad))
-    count = max(1, values[0])
-    return Activation(tuple(tensors[:count]), tuple(needs_grad[:count]), values[0], fingerprint), False
+        return replace(received, fingerprint=fingerprint), True
+    return replace(buffers_for(_announced_layout(values), device), fingerprint=fingerprint), False
 
 
 def empty_header(device: torch.device) -> torch.Tensor:

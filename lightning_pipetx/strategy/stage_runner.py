@@ -174,10 +174,10 @@ class StageRunner:
         prev, device = self.topology.prev_rank, self.channel.device
         header = empty_header(device)
         guess = None if expected is None else buffers_for(expected, device)
-        self.channel.exchange(outbox, [(header, prev)] + self._buffers(guess))
+        self.channel.exchange(outbox, [(header, prev)] + self._from_prev(guess))
         act, arrived = allocate(header, device, guess)
         if not arrived:
-            self.channel.exchange([], self._buffers(act))
+            self.channel.exchange([], self._from_prev(act))
         if act.fingerprint is not None:
             differs = batch_fingerprint(microbatch, device) != act.fingerprint
             self._mismatches = differs.int() if self._mismatches is None else self._mismatches + differs.int()
@@ -188,7 +188,8 @@ class StageRunner:
         )
         return Activation(tensors, act.needs_grad, act.tuple_len, act.fingerprint)
 
-    def _buffers(self, act: Activation | None) -> list[tuple[torch.Tensor, int]]:
+    def _from_prev(self, act: Activation | None) -> list[tuple[torch.Tensor, int]]:
+        """The receives that fill ``act``'s tensors from the previous stage."""
         return [] if act is None else [(t, self.topology.prev_rank) for t in act.tensors if t is not None]
 
     def _activation_sends(
