@@ -17,7 +17,18 @@ from lightning_pipetx.autocache.guards import InputGuard
 from lightning_pipetx.strategy.p2p import Activation
 
 
-def fit(cache, dataset, tmp_path, epochs=4, freeze_interval=1, collate_fn=None, module=None, **strategy_kwargs):
+def fit(
+    cache,
+    dataset,
+    tmp_path,
+    epochs=4,
+    freeze_interval=1,
+    collate_fn=None,
+    module=None,
+    drop_last=False,
+    watch=(),
+    **strategy_kwargs,
+):
     module = module or tm.TinyBertClassifier(seed=0, dropout=0.0)
     freeze = FreezeCallback(alpha=1 / 2, signal="schedule", freeze_interval=freeze_interval)
     rates = tm.HitRates()
@@ -29,14 +40,15 @@ def fit(cache, dataset, tmp_path, epochs=4, freeze_interval=1, collate_fn=None, 
         devices=1,
         strategy=strategy,
         max_epochs=epochs,
-        callbacks=[freeze, rates],
+        callbacks=[freeze, rates, *watch],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    trainer.fit(module, DataLoader(dataset, batch_size=8, shuffle=True, collate_fn=collate_fn))
+    loader = DataLoader(dataset, batch_size=8, shuffle=True, collate_fn=collate_fn, drop_last=drop_last)
+    trainer.fit(module, loader)
     return module.state_dict(), rates.rates, trainer
 
 
@@ -60,6 +72,32 @@ def test_incremental_deepening_is_exact(tmp_path):
     cached, rates, _ = fit(True, data, tmp_path)  # 2 blocks frozen after epoch 0, 3 after epoch 1
     _same(cached, uncached)
     assert rates == [None, 0.0, 0.0, 1.0]  # epoch 2 reads depth 2 and runs block 2 only
+
+
+class _ServedShares(pl.Callback):
+    """Per epoch, the share of training samples whose frozen prefix was read from the cache
+    (at the epoch's depth or a shallower one)."""
+
+    def __init__(self):
+        self.shares = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        metrics = trainer.callback_metrics
+        served = [v for k, v in metrics.items() if k.startswith("pipetx/cache_served_") and not k.endswith("_bytes")]
+        self.shares.append(sum(float(v) for v in served))
+
+
+def test_samples_left_out_by_drop_last_are_cached_too_and_training_stays_exact(tmp_path):
+    data = tm.RandomTokenDataset(size=36, seed=1)  # 4 batches of 8 an epoch, 4 samples left out
+    uncached, _, _ = fit(False, data, tmp_path, drop_last=True)
+    shares = _ServedShares()
+    module = tm.TinyBertClassifier(seed=0, dropout=0.0)
+    cached, rates, _ = fit(True, data, tmp_path, drop_last=True, module=module, watch=[shares])
+    _same(cached, uncached)
+    # 2 blocks frozen after epoch 0, 3 after epoch 1: epoch 2 reads every sample at depth 2 (the 4
+    # left out of epoch 1 included), epoch 3 every one at depth 3 (those left out of epoch 2 included).
+    assert rates == [None, 0.0, 0.0, 1.0]
+    assert shares.shares[2:] == [1.0, 1.0]
 
 
 def test_augmentation_switches_the_cache_off_with_a_warning(tmp_path, caplog):

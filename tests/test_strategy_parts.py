@@ -285,6 +285,36 @@ def test_a_recorded_loader_is_not_wrapped_twice():
     assert list(recorder.yielded) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
 
 
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_a_recorded_batch_sampler_yields_torchs_batches_and_keeps_what_drop_last_leaves_out(drop_last):
+    from torch.utils.data import BatchSampler, DataLoader, RandomSampler
+
+    from lightning_pipetx.autocache.sample_keys import recording
+
+    def shuffled_loader():
+        sampler = RandomSampler(range(10), generator=torch.Generator().manual_seed(3))
+        return DataLoader(list(range(10)), batch_size=4, sampler=sampler, drop_last=drop_last)
+
+    order = list(RandomSampler(range(10), generator=torch.Generator().manual_seed(3)))
+    plain = [b.tolist() for b in shuffled_loader()]
+    loader, recorder = recording(shuffled_loader())
+    assert [b.tolist() for b in loader] == plain  # the same batches, from the same draws
+    assert [recorder.pop()[0] for _ in plain[:-1]] == plain[:-1]
+    assert recorder.take_dropped() == []  # not before the epoch's last batch is trained
+    assert recorder.pop()[0] == plain[-1]
+    assert recorder.take_dropped() == (order[8:] if drop_last else [])  # the tail torch's sampler cut off
+    assert recorder.take_dropped() == []  # once
+
+    class OwnBatchSampler(BatchSampler):  # a batch sampler of the user's own is left as it is
+        pass
+
+    own = DataLoader(list(range(10)), batch_sampler=OwnBatchSampler(range(10), batch_size=4, drop_last=True))
+    own, recorder = recording(own)
+    assert [b.tolist() for b in own] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    recorder.pop(), recorder.pop()
+    assert recorder.take_dropped() == []
+
+
 @pytest.mark.parametrize("freezing", ["none", "freeze"])
 def test_a_seeded_run_trains_as_lightning_ddp_to_the_bit(tmp_path, freezing):
     # Data parallel from the same seed: the same data order, dropout masks and schedule as

@@ -192,9 +192,15 @@ class AutoCache:
             out.index_copy_(0, take.nonzero().flatten().to(self.device, non_blocking=True), rows)
         return out, source
 
-    def lookup(self, indices: torch.Tensor, depth: int) -> tuple[int, torch.Tensor | None, int]:
-        """The deepest depth ``<= depth`` at which every sample is cached: (depth, states, tuple_len)."""
-        self.counts.lookups += len(indices)
+    def cached_depth(self, indices: torch.Tensor, depth: int) -> int:
+        """The deepest depth ``<= depth`` at which every sample is cached (0: none)."""
+        return self._level(indices, depth)[0]
+
+    def lookup(self, indices: torch.Tensor, depth: int, count: bool = True) -> tuple[int, torch.Tensor | None, int]:
+        """The deepest depth ``<= depth`` at which every sample is cached: (depth, states, tuple_len).
+        ``count``: a training batch's lookup, counted in the epoch's hit rate and tiers served."""
+        counts = self.counts if count else EpochCounts()
+        counts.lookups += len(indices)
         if not self.serving:
             return 0, None, 0
         states, level, source = self._take_prefetched(indices, depth)
@@ -204,13 +210,13 @@ class AutoCache:
                 return 0, None, 0
             states, source = self._gather(level, indices, tiers, masks)
         else:
-            self.counts.prefetched += len(indices)
+            counts.prefetched += len(indices)
         if level == depth:
-            self.counts.hits += len(indices)
+            counts.hits += len(indices)
         row_bytes = nbytes_of(1, tuple(states.shape[1:]), states.dtype)
-        for code, count in enumerate(torch.bincount(source.long(), minlength=len(TIER_NAMES)).tolist()):
-            self.counts.served[TIER_NAMES[code]] += count
-            self.counts.served_bytes[TIER_NAMES[code]] += count * row_bytes
+        for code, samples in enumerate(torch.bincount(source.long(), minlength=len(TIER_NAMES)).tolist()):
+            counts.served[TIER_NAMES[code]] += samples
+            counts.served_bytes[TIER_NAMES[code]] += samples * row_bytes
         return level, states, self._depths[level].tuple_len
 
     def prefetch(self, indices: torch.Tensor, depth: int) -> None:

@@ -8,6 +8,7 @@ next one (which the cache prefetches).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,7 @@ class CacheFeed:
         self.control = control
         self._training: RecordingBatchSampler | None = None
         self._training_dataset: Any = None
+        self._collate: Any = None  # the training loader's collate_fn
         self._validation = ValidationKeys()
 
     def _cacheable(self, loader: DataLoader) -> bool:
@@ -62,6 +64,7 @@ class CacheFeed:
         if not self._cacheable(loader):
             return loader, None
         loader, self._training = recording(loader)
+        self._collate = loader.collate_fn
         if self.control.cache is not None:
             if loader.dataset is not self._training_dataset:  # a reload over other samples
                 self.control.cache.disable(
@@ -88,6 +91,16 @@ class CacheFeed:
         """The dataset indices of this training batch and of the next one (None: not recorded)."""
         return _as_tensors(*self._training.pop()) if self._training is not None else (None, None)
 
+    def dropped_samples(self) -> tuple[torch.Tensor, Callable[[], Any]] | None:
+        """After the epoch's last training batch: the dataset indices of the samples ``drop_last``
+        left out of the epoch, and a function that loads them as one batch (the training
+        loader's ``collate_fn``); None when there are none."""
+        dropped = self._training.take_dropped() if self._training is not None else []
+        if not dropped:
+            return None
+        dataset, collate = self._training_dataset, self._collate
+        return torch.tensor(dropped, dtype=torch.long), lambda: collate([dataset[i] for i in dropped])
+
     def begin_validation(self, loaders: Any, world_size: int) -> None:
         """Before a validation run in fit (a collective where the validation cache exists)."""
         if self.control.eval_cache is not None:
@@ -108,5 +121,5 @@ class CacheFeed:
     def close(self, remove_files: bool) -> None:
         """Close both caches (``remove_files``: one rank per node) and forget the loaders."""
         self.control.close(remove_files)
-        self._training = self._training_dataset = None
+        self._training = self._training_dataset = self._collate = None
         self._validation.reset()

@@ -12,7 +12,7 @@ import torch
 from lightning_pipetx.autocache.cache import AutoCache
 from lightning_pipetx.strategy.fingerprint import hidden_state_fingerprints, sample_fingerprints
 from lightning_pipetx.strategy.p2p import Activation
-from lightning_pipetx.strategy.stage_hooks import StageHooks
+from lightning_pipetx.strategy.stage_hooks import StageExit, StageHooks
 
 
 class CachedPrefix:
@@ -44,24 +44,48 @@ class CachedPrefix:
         if hidden.dim() > 0 and hidden.shape[0] == len(indices):  # one row per sample
             self.cache.prefix_guard.observe(indices, hidden_state_fingerprints(hidden, self.device))
 
+    def fill(self, indices: torch.Tensor, depth: int, load: Callable[[], Any], run: Callable[[Any], Any]) -> None:
+        """Cache the frozen prefix of samples that no batch of the epoch held (``drop_last``):
+        ``load`` makes their batch and ``run`` calls the user's step on it, which stops after
+        block ``depth - 1``. Without it each later batch holding one of them would run the
+        frozen blocks again when the depth next grows."""
+        cache = self.cache
+        if depth == 0 or not cache.enabled or cache.cached_depth(indices, depth) == depth:
+            return
+        batch = load()
+        cache.guard.observe(indices, sample_fingerprints(batch, len(indices), self.device))
+        try:
+            with self._microbatch(indices, depth, stop_at_capture=True):
+                run(batch)
+        except StageExit:
+            pass
+        finally:
+            self.hooks.incoming = None
+
     @contextlib.contextmanager
-    def _microbatch(self, indices: torch.Tensor, depth: int) -> Iterator[None]:
+    def _microbatch(self, indices: torch.Tensor, depth: int, stop_at_capture: bool = False) -> Iterator[None]:
         hooks, cache = self.hooks, self.cache
         hooks.on_prefix_input = lambda hidden: self._observe_prefix_input(indices, hidden)
-        level, states, tuple_len = cache.lookup(indices, depth)
+        level, states, tuple_len = cache.lookup(indices, depth, count=not stop_at_capture)
         if states is not None:
             hooks.incoming = Activation.of_hidden(states, tuple_len)
             hooks.skip_until = level
         timing: list[object | None] = [None]
+
+        def captured() -> None:
+            cache.watch.stop("compute", timing[0], len(indices) * (depth - level))
+            if stop_at_capture:
+                raise StageExit(hooks.captured)
+
         if level < depth:
             hooks.capture_at = depth - 1
             hooks.on_first_block = lambda: timing.__setitem__(0, cache.watch.start("compute"))
-            hooks.on_capture = lambda: cache.watch.stop("compute", timing[0], len(indices) * (depth - level))
+            hooks.on_capture = captured
         try:
             yield
         finally:
-            captured = hooks.captured
+            captured_state = hooks.captured
             hooks.skip_until, hooks.capture_at, hooks.captured = 0, -1, None
             hooks.on_first_block = hooks.on_capture = hooks.on_prefix_input = None
-            if captured is not None:
-                cache.store(indices, depth, captured)
+            if captured_state is not None:
+                cache.store(indices, depth, captured_state)

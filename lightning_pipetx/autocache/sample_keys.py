@@ -2,17 +2,20 @@
 the one after it.
 
 The loader's batch sampler is wrapped so that it records what it yields, one batch ahead
-(AutoCache reads the next batch's states while the current one trains).
+(AutoCache reads the next batch's states while the current one trains), and the samples a
+``drop_last`` batch sampler leaves out of the epoch (AutoCache caches them too, so that they do
+not keep the next epoch's batches that hold them from being served).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
 from lightning.pytorch.utilities import CombinedLoader
-from torch.utils.data import DataLoader
+from torch.utils.data import BatchSampler, DataLoader
 
 
 class RecordingBatchSampler:
@@ -28,10 +31,12 @@ class RecordingBatchSampler:
         self.sampler = getattr(batch_sampler, "sampler", None)  # Lightning calls set_epoch on it
         self.yielded: deque[list[int]] = deque()
         self.ahead: list[int] | None = None  # the batch after the last one yielded
+        self.dropped: list[int] = []  # the epoch's samples ``drop_last`` left out, once sampled
 
     def __iter__(self) -> Iterator[list[int]]:
         self.yielded.clear()
-        batches = iter(self.batch_sampler)
+        self.dropped = []
+        batches = self._batches()
         ahead = next(batches, None)
         while ahead is not None:
             current = list(ahead)
@@ -40,12 +45,33 @@ class RecordingBatchSampler:
             self.yielded.append(current)
             yield current
 
+    def _batches(self) -> Iterator[list[int]]:
+        """The batch sampler's batches; for torch's ``BatchSampler(drop_last=True)`` made here, as it
+        makes them (one pass over its sampler, cut in ``batch_size``), keeping the cut-off tail."""
+        sampler = self.batch_sampler
+        if type(sampler) is not BatchSampler or not sampler.drop_last:
+            yield from sampler
+            return
+        samples = iter(sampler.sampler)
+        while batch := list(itertools.islice(samples, sampler.batch_size)):
+            if len(batch) < sampler.batch_size:
+                self.dropped = batch
+                return
+            yield batch
+
     def pop(self) -> tuple[list[int] | None, list[int] | None]:
         """The indices of the batch now trained, and of the one after it (None: unknown or none)."""
         if not self.yielded:
             return None, None
         current = self.yielded.popleft()
         return current, self.yielded[0] if self.yielded else self.ahead
+
+    def take_dropped(self) -> list[int]:
+        """Once the epoch's last batch is popped, the samples ``drop_last`` left out of it (once)."""
+        if self.yielded:
+            return []
+        dropped, self.dropped = self.dropped, []
+        return dropped
 
     def __len__(self) -> int:
         return len(self.batch_sampler)

@@ -436,17 +436,17 @@ class ElasticPipelineStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         loss_scale = 1.0 / max(1, trainer.accumulate_grad_batches)
         indices, upcoming = self._cache_feed.training_keys()
+        engine, step = self._require_engine(), self.lightning_module.training_step
         with self.precision_plugin.train_step_context():
-            return self._require_engine().train_step(
-                self.lightning_module.training_step,
-                args[0],
-                args[1:],
-                kwargs,
-                loss_scale,
-                indices,
-                self._sync_grads,
-                upcoming,
-            )
+            output = engine.train_step(step, args[0], args[1:], kwargs, loss_scale, indices, self._sync_grads, upcoming)
+            dropped = self._cache_feed.dropped_samples() if indices is not None and upcoming is None else None
+            if dropped is not None:
+                engine.fill_cache(step, args[1:], kwargs, dropped[0], lambda: self._to_device(dropped[1]()))
+        return output
+
+    def _to_device(self, batch: Any) -> Any:
+        """A batch of the training loader's, moved as Lightning moves each (with the module's hooks)."""
+        return self.batch_to_device(self.lightning_module.on_before_batch_transfer(batch, 0))
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The pipeline already ran the backwards in ``training_step``: hand its gradients over,

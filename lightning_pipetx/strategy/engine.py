@@ -196,6 +196,21 @@ class PipelineEngine:
             return {**joined, "loss": loss}
         return loss
 
+    def fill_cache(
+        self, step: Callable[..., Any], args: tuple, kwargs: dict, indices: torch.Tensor, load: Callable[[], Any]
+    ) -> None:
+        """Cache the frozen prefix of the samples ``indices`` that the epoch's batches left out
+        (``drop_last``; ``load`` makes their batch): the user's ``step`` runs up to the last
+        frozen block, on the first stage; its ``self.log`` calls are dropped."""
+        if self._prefix is None:
+            return
+
+        def run(batch: Any) -> None:
+            with self.recorder.capture():
+                step(batch, *args, **kwargs)
+
+        self._prefix.fill(indices, self._cache_depth(), load, run)
+
     def eval_step(
         self,
         step: Callable[..., Any],
