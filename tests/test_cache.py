@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 from lightning_pipetx.autocache import AutoCache, TrainablePrefixError
 from lightning_pipetx.autocache.guards import InputGuard
+from lightning_pipetx.strategy.fingerprint import sample_fingerprints
 from lightning_pipetx.strategy.p2p import Activation
 
 
@@ -302,6 +303,38 @@ def test_the_input_guard_compares_each_sample_with_the_last_epoch_that_saw_it():
     assert guard.take_counts().tolist() == [2, 1]
     guard.observe(torch.tensor([3]), torch.tensor([7.0], dtype=torch.float64))  # as last seen: unchanged
     assert guard.take_counts().tolist() == [1, 0]
+
+
+def test_a_samples_fingerprint_does_not_depend_on_the_batch_it_is_in():
+    # A float matrix product rounds a row's sum by the number of rows: a sample in a short batch (the
+    # last one, or the samples drop_last left out) would read as changed in a full batch next epoch.
+    generator = torch.Generator().manual_seed(0)
+    batch = {
+        "input_ids": torch.randint(0, 30_000, (32, 64), generator=generator),
+        "attention_mask": torch.ones(32, 64, dtype=torch.long),
+        "pixels": torch.randn(32, 3, 16, 16, generator=generator),
+        "bf16": torch.randn(32, 5, generator=generator).to(torch.bfloat16),
+        "flags": torch.rand(32, 4, generator=generator) > 0.5,
+        "labels": torch.randint(0, 2, (32,), generator=generator),
+    }
+    full = sample_fingerprints(batch, 32)
+    for size in range(1, 32):
+        part = sample_fingerprints({k: v[:size] for k, v in batch.items()}, size)
+        assert torch.equal(part, full[:size]), size
+    for key, value in batch.items():  # a change of one value, by one unit in its last place, is seen
+        changed = value.clone()
+        row = changed[7].view(-1)
+        if value.dtype == torch.bool:
+            row[0] = ~row[0]
+        elif value.is_floating_point():
+            row[0] = torch.nextafter(row[0], torch.tensor(1e4, dtype=value.dtype))
+        else:
+            row[0] += 1
+        differs = sample_fingerprints({**batch, key: changed}, 32) != full
+        assert differs.nonzero().flatten().tolist() == [7], key
+    swapped = batch["input_ids"].clone()
+    swapped[3, [5, 6]] = swapped[3, [6, 5]]
+    assert (sample_fingerprints({**batch, "input_ids": swapped}, 32) != full).nonzero().flatten().tolist() == [3]
 
 
 def test_the_prefix_guard_tolerates_a_relative_difference_below_its_tolerance():

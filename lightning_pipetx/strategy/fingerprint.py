@@ -9,7 +9,11 @@
 
 A fingerprint mixes every tensor's values with position weights, and its shape, in
 float64: equal inputs give equal fingerprints; different inputs give different ones
-except by an unlikely coincidence. It is a check, not a cryptographic hash.
+except by an unlikely coincidence. It is a check, not a cryptographic hash. A sample's
+fingerprint is exact integer arithmetic (16-bit pieces of each value's bits, integer weights,
+sums below 2**53), so it does not depend on the batch the sample is in: a matrix product
+sums a row in an order that depends on the number of rows, which rounds the last bits of a
+float sum differently.
 """
 
 from __future__ import annotations
@@ -27,25 +31,54 @@ def _weights(length: int, device: torch.device) -> torch.Tensor:
     return torch.linspace(1.0, 2.0, length, dtype=torch.float64, device=device)
 
 
-def sample_fingerprints(batch: Any, size: int, device: torch.device | None = None) -> torch.Tensor:
-    """One float64 per sample, from every tensor of ``batch`` whose first dimension is ``size``.
+_PIECE = 2**16  # values of a piece: 16 bits
+_EXACT = 2**53  # float64 holds every integer below this
 
-    The result lives on ``device`` (default: the device of the batch's first tensor). The
-    tensors are joined per sample first (one join per dtype), so a batch costs a few operators,
-    however many tensors it holds.
+
+@functools.lru_cache(maxsize=32)
+def _piece_weights(length: int, device: torch.device) -> torch.Tensor:
+    """Integer weights ``1..top`` by position, ``top`` small enough that a row's weighted sum of
+    16-bit pieces stays an exact float64 integer in any order of summation."""
+    top = max(1, min(_PIECE - 1, _EXACT // (_PIECE * max(1, length))))
+    return (torch.arange(length, dtype=torch.float64) % top + 1).to(device)
+
+
+def _pieces(tensor: torch.Tensor) -> torch.Tensor:
+    """``[samples, ...]`` -> ``[samples, pieces]``: the bits of every value in 16-bit pieces, as
+    integers (a view where the tensor is contiguous; bytes for 1-byte types)."""
+    if tensor.dtype == torch.bool:
+        tensor = tensor.to(torch.uint8)
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+    flat = tensor.detach().reshape(tensor.shape[0], -1).contiguous()
+    return flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(torch.int16)
+
+
+def sample_fingerprints(batch: Any, size: int, device: torch.device | None = None) -> torch.Tensor:
+    """One float64 per sample, from every tensor of ``batch`` whose first dimension is ``size``;
+    the same for a sample whatever else its batch holds.
+
+    The result lives on ``device`` (default: the device of the batch's first tensor). The pieces
+    are joined per kind first, so a batch costs a few operators, however many tensors it holds.
     """
-    tensors = [t.detach().reshape(size, -1) for t in _tensors(batch) if t.dim() > 0 and t.shape[0] == size]
+    tensors = [t for t in _tensors(batch) if t.dim() > 0 and t.shape[0] == size]
     if device is None:
         device = tensors[0].device if tensors else torch.device("cpu")
+    result = torch.zeros(size, dtype=torch.float64, device=device)
     if not tensors:
-        return torch.zeros(size, dtype=torch.float64, device=device)
+        return result
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for tensor in tensors:
-        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    flat = torch.cat([torch.cat(group, dim=1).to(device, torch.float64) for group in groups.values()], dim=1)
+        pieces = _pieces(tensor)
+        groups.setdefault((pieces.dtype, pieces.device), []).append(pieces)
+    joined = [torch.cat(group, dim=1).to(device, torch.float64) for group in groups.values()]
+    weights = _piece_weights(sum(j.shape[1] for j in joined), device)
+    offset = 0
+    for pieces in joined:  # every partial sum is an integer below 2**53: exact in any order
+        result += pieces @ weights[offset : offset + pieces.shape[1]]
+        offset += pieces.shape[1]
     # the widths, each weighted by its tensor's position: a change of shape changes the sum
-    shape_term = sum((position + 1) * t.shape[1] for position, t in enumerate(tensors))
-    return flat @ _weights(flat.shape[1], device) + shape_term
+    return result + sum((position + 1) * t[0].numel() for position, t in enumerate(tensors))
 
 
 @functools.lru_cache(maxsize=8)
