@@ -353,8 +353,10 @@ def test_old_depths_files_are_freed_when_the_depth_grows(tmp_path):
     cache.drop_below(3)  # depth 2 stays: samples cached there only need block 2 to reach depth 3
     assert sorted(p.name for p in (tmp_path / "ram").glob("depth*")) == [
         "depth2",
+        "depth2.json",  # where a depth is and what it holds, for the node's other ranks
         "depth2.valid",
         "depth3",
+        "depth3.json",
         "depth3.valid",
     ]
     level, states, _ = cache.lookup(indices, 3)

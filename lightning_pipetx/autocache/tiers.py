@@ -115,7 +115,8 @@ class FileTier(Tier):
         self, name: str, folder: Path, depth: int, num_samples: int, shape: tuple[int, ...], dtype: torch.dtype
     ) -> None:
         self.name = name
-        self.paths = (folder / f"depth{depth}", folder / f"depth{depth}.valid")
+        # the states, which of them are valid, and what the file holds (for ranks that open it later)
+        self.paths = (folder / f"depth{depth}", folder / f"depth{depth}.valid", folder / f"depth{depth}.json")
         try:
             self.data = shared_tensor(self.paths[0], (num_samples, *shape), dtype)
             self.valid = shared_tensor(self.paths[1], (num_samples,), torch.uint8)

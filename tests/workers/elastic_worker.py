@@ -18,16 +18,23 @@ from lightning_pipetx import ElasticPipelineStrategy
 
 
 class LayoutRecorder(Callback):
-    """The layout each epoch trained on, and the frozen prefix it trained with."""
+    """The layout each epoch trained on, the frozen prefix it trained with, and the share of its
+    training samples AutoCache served (None before anything froze)."""
 
     def __init__(self, freeze):
         self.freeze = freeze
         self.epochs = []
+        self.served = []
 
     def on_train_epoch_start(self, trainer, pl_module):
         layout = trainer.strategy.layout
         batch = trainer.train_dataloader.batch_size
         self.epochs.append([self.freeze.frozen_blocks, layout.pipeline_length, layout.replicas, batch])
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        metrics = trainer.callback_metrics
+        shares = [float(v) for k, v in metrics.items() if k.startswith("pipetx/cache_served_") and "bytes" not in k]
+        self.served.append(sum(shares) if self.epochs[-1][0] > 0 else None)
 
 
 def main():
@@ -62,6 +69,7 @@ def main():
         torch.save({"state": module.state_dict()}, os.path.join(out_dir, "final.pt"))
         report = {
             "epochs": recorder.epochs,
+            "served": recorder.served,
             "metrics": fit_metrics,
             "validate": metrics,
             "checkpoints": sorted(f for f in os.listdir(out_dir) if f.endswith(".ckpt")),
