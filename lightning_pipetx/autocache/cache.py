@@ -16,9 +16,7 @@ computing the prefix is dropped with one log line.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import shutil
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -324,41 +322,17 @@ class AutoCache:
         self._depths[depth] = entry = _Depth(tiers, tuple_len, shape, dtype)
         for tier in tiers:
             if isinstance(tier, FileTier):
-                self._describe(tier, entry)
+                tier.describe(tuple_len)
         return entry
-
-    def _describe(self, tier: FileTier, entry: _Depth) -> None:
-        """Write beside a depth's shared file what it holds, for ranks of the node that open it later."""
-        path = tier.paths[2]
-        if path.exists():
-            return
-        about = {
-            "shape": list(entry.shape),
-            "dtype": str(entry.dtype).removeprefix("torch."),
-            "tuple_len": entry.tuple_len,
-        }
-        partial = path.with_name(f"{path.name}.{os.getpid()}")
-        try:
-            partial.write_text(json.dumps(about))
-            partial.replace(path)
-        except OSError:  # a full file system: other ranks compute this depth instead of reading it
-            partial.unlink(missing_ok=True)
 
     def _adopt_shared_depths(self) -> None:
         """Open the depths another rank of the node keeps in a shared file: after a transition
         this rank may be a new first stage, which then reads the states the old ones cached."""
         for name, folder in (("host", self.directory), ("disk", self.spill_directory)):
-            for path in sorted(folder.glob("depth*.json")):
-                depth = int(path.name.removeprefix("depth").removesuffix(".json"))
-                if depth in self._depths or name in self.dropped or not path.with_suffix("").exists():
-                    continue
-                try:
-                    about = json.loads(path.read_text())
-                except (OSError, ValueError):
-                    continue
-                shape, dtype = tuple(about["shape"]), getattr(torch, about["dtype"])
-                tier = FileTier(name, folder, depth, self.num_samples, shape, dtype)
-                self._depths[depth] = _Depth([tier], about["tuple_len"], shape, dtype)
+            if name in self.dropped:
+                continue
+            for depth, tier, tuple_len in FileTier.described(name, folder, self.num_samples, skip=set(self._depths)):
+                self._depths[depth] = _Depth([tier], tuple_len, tuple(tier.data.shape[1:]), tier.data.dtype)
 
     def _device_rows(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         if "device" in self.dropped:

@@ -13,8 +13,10 @@ samples it holds (:meth:`Tier.holds`), reads them with one batched gather, and w
 
 from __future__ import annotations
 
+import json
 import math
 import os
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import torch
@@ -137,6 +139,35 @@ class FileTier(Tier):
     def write(self, indices: torch.Tensor, states: torch.Tensor) -> None:
         self.data.index_copy_(0, indices, states.to("cpu", self.data.dtype))
         self.valid[indices] = 1
+
+    def describe(self, tuple_len: int) -> None:
+        """Write beside the file what it holds, for ranks of the node that open it later (once)."""
+        path = self.paths[2]
+        if path.exists():
+            return
+        about = {"shape": list(self.data.shape[1:]), "dtype": str(self.data.dtype).removeprefix("torch.")}
+        partial = path.with_name(f"{path.name}.{os.getpid()}")
+        try:
+            partial.write_text(json.dumps({**about, "tuple_len": tuple_len}))
+            partial.replace(path)
+        except OSError:  # a full file system: the other ranks compute this depth instead of reading it
+            partial.unlink(missing_ok=True)
+
+    @classmethod
+    def described(
+        cls, name: str, folder: Path, num_samples: int, skip: Collection[int]
+    ) -> Iterator[tuple[int, FileTier, int]]:
+        """The depths (not in ``skip``) whose file in ``folder`` another rank described: (depth, tier, tuple length)."""
+        for path in sorted(folder.glob("depth*.json")):
+            depth = int(path.name.removeprefix("depth").removesuffix(".json"))
+            if depth in skip or not path.with_suffix("").exists():
+                continue
+            try:
+                about = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            shape, dtype = tuple(about["shape"]), getattr(torch, about["dtype"])
+            yield depth, cls(name, folder, depth, num_samples, shape, dtype), about["tuple_len"]
 
     def unlink(self) -> None:
         """Remove the files; pages another rank still maps stay valid until it drops them."""
