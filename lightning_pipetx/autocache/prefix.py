@@ -29,7 +29,7 @@ class CachedPrefix:
         """Record the batch's inputs; the per-micro-batch context when ``depth`` frozen blocks can be cached."""
         cache = self.cache
         cache.flush_writes()
-        cache.guard.observe(indices, sample_fingerprints(batch, len(indices), self.device))
+        self._observe_input(indices, batch)
         if depth == 0 or not cache.enabled:
             return None
         parts = torch.split(indices, sizes)
@@ -39,6 +39,9 @@ class CachedPrefix:
         """Start reading the next batch's states while this step's work finishes."""
         if upcoming is not None and depth > 0 and self.cache.enabled:
             self.cache.prefetch(upcoming, depth)
+
+    def _observe_input(self, indices: torch.Tensor, batch: Any) -> None:
+        self.cache.guard.observe(indices, sample_fingerprints(batch, len(indices), self.device))
 
     def _observe_prefix_input(self, indices: torch.Tensor, hidden: torch.Tensor) -> None:
         if hidden.dim() > 0 and hidden.shape[0] == len(indices):  # one row per sample
@@ -53,7 +56,7 @@ class CachedPrefix:
         if depth == 0 or not cache.enabled or cache.cached_depth(indices, depth) == depth:
             return
         batch = load()
-        cache.guard.observe(indices, sample_fingerprints(batch, len(indices), self.device))
+        self._observe_input(indices, batch)
         try:
             with self._microbatch(indices, depth, stop_at_capture=True):
                 run(batch)

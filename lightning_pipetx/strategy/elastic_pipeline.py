@@ -439,7 +439,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         engine, step = self._require_engine(), self.lightning_module.training_step
         with self.precision_plugin.train_step_context():
             output = engine.train_step(step, args[0], args[1:], kwargs, loss_scale, indices, self._sync_grads, upcoming)
-            dropped = self._cache_feed.dropped_samples() if indices is not None and upcoming is None else None
+            dropped = self._cache_feed.dropped_samples()  # after the epoch's last batch only
             if dropped is not None:
                 engine.fill_cache(step, args[1:], kwargs, dropped[0], lambda: self._to_device(dropped[1]()))
         return output
