@@ -28,6 +28,7 @@ def fit(
     module=None,
     drop_last=False,
     watch=(),
+    max_steps=-1,
     **strategy_kwargs,
 ):
     module = module or tm.TinyBertClassifier(seed=0, dropout=0.0)
@@ -41,6 +42,7 @@ def fit(
         devices=1,
         strategy=strategy,
         max_epochs=epochs,
+        max_steps=max_steps,
         callbacks=[freeze, rates, *watch],
         logger=False,
         enable_checkpointing=False,
@@ -88,17 +90,41 @@ class _ServedShares(pl.Callback):
         self.shares.append(sum(float(v) for v in served))
 
 
+class _CountedSteps(tm.TinyBertClassifier):
+    """Counts the calls of its training_step in each epoch."""
+
+    def __init__(self):
+        super().__init__(seed=0, dropout=0.0)
+        self.calls = {}
+
+    def training_step(self, batch, batch_idx):
+        self.calls[self.current_epoch] = self.calls.get(self.current_epoch, 0) + 1
+        return super().training_step(batch, batch_idx)
+
+
 def test_samples_left_out_by_drop_last_are_cached_too_and_training_stays_exact(tmp_path):
     data = tm.RandomTokenDataset(size=36, seed=1)  # 4 batches of 8 an epoch, 4 samples left out
     uncached, _, _ = fit(False, data, tmp_path, drop_last=True)
     shares = _ServedShares()
-    module = tm.TinyBertClassifier(seed=0, dropout=0.0)
+    module = _CountedSteps()
     cached, rates, _ = fit(True, data, tmp_path, drop_last=True, module=module, watch=[shares])
     _same(cached, uncached)
     # 2 blocks frozen after epoch 0, 3 after epoch 1: epoch 2 reads every sample at depth 2 (the 4
     # left out of epoch 1 included), epoch 3 every one at depth 3 (those left out of epoch 2 included).
     assert rates == [None, 0.0, 0.0, 1.0]
     assert shares.shares[2:] == [1.0, 1.0]
+    # The left-out samples run through training_step (up to the frozen prefix) after the last batch
+    # of epochs 1 and 2; not after epoch 0 (nothing frozen) nor after epoch 3 (each is cached at its depth).
+    assert module.calls == {0: 4, 1: 5, 2: 5, 3: 4}
+
+
+@pytest.mark.parametrize("limit", [{"epochs": 3}, {"epochs": 9, "max_steps": 12}])
+def test_samples_left_out_of_the_last_epoch_are_not_cached(tmp_path, limit):
+    module = _CountedSteps()
+    fit(True, tm.RandomTokenDataset(size=36, seed=1), tmp_path, drop_last=True, module=module, **limit)
+    # Epoch 2, the last, is the first at depth 3: its left-out samples are not at that depth, but no
+    # epoch follows to read them.
+    assert module.calls == {0: 4, 1: 5, 2: 4}
 
 
 def test_augmentation_switches_the_cache_off_with_a_warning(tmp_path, caplog):

@@ -56,6 +56,14 @@ def _positive_or_auto(name: str, value: Any) -> None:
         raise ValueError(f"ElasticPipelineStrategy({name}={value!r}): use 'auto' or a whole number >= 1.")
 
 
+def _another_epoch_may_follow(trainer: pl.Trainer) -> bool:
+    """Whether the training limits (``max_epochs``, ``max_steps``) leave room for an epoch after
+    this step's, the last of its epoch."""
+    if trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1:
+        return False
+    return not 0 <= trainer.max_steps <= trainer.global_step + 1
+
+
 class ElasticPipelineStrategy(DDPStrategy):
     """Train an unchanged LightningModule as ``replicas`` pipelines of ``pipeline_length`` stages.
 
@@ -440,7 +448,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         with self.precision_plugin.train_step_context():
             output = engine.train_step(step, args[0], args[1:], kwargs, loss_scale, indices, self._sync_grads, upcoming)
             dropped = self._cache_feed.dropped_samples()  # after the epoch's last batch only
-            if dropped is not None:
+            if dropped is not None and _another_epoch_may_follow(trainer):
                 engine.fill_cache(step, args[1:], kwargs, dropped[0], lambda: self._to_device(dropped[1]()))
         return output
 
