@@ -152,6 +152,8 @@ def test_schedules_run_each_microbatch_forward_then_backward(schedule, stages, m
         ({"profile_steps": -1}, "profile_steps=-1"),
         ({"memory_budget": 0}, "memory_budget=0"),
         ({"bucket_cap_mb": -1}, "bucket_cap_mb=-1"),
+        ({"bucket_cap_mb": True}, "bucket_cap_mb=True"),
+        ({"sampler": "random"}, "sampler='random'"),
         ({"reuse_host_memory": "yes"}, "reuse_host_memory='yes'"),
     ],
 )

@@ -34,26 +34,19 @@ from lightning_pipetx.strategy.lightning_compat import (
     restore_clipping,
 )
 from lightning_pipetx.strategy.loss_scaling import agreeing_scaler, refuse_unagreed_overflow
-from lightning_pipetx.strategy.model_checks import CollectedOutputChecks, UnsupportedOutputsError
+from lightning_pipetx.strategy.model_checks import (
+    CollectedOutputChecks,
+    UnsupportedOutputsError,
+    refuse_manual_optimization,
+)
+from lightning_pipetx.strategy.options import check_arguments
 from lightning_pipetx.strategy.output_relay import EvalMetricGroups
 from lightning_pipetx.strategy.param_store import ParamStore
 from lightning_pipetx.strategy.predictions import QuietWriters, gather_loop_predictions
-from lightning_pipetx.strategy.stage_runner import SCHEDULES
 from lightning_pipetx.strategy.topology import Layout
 from lightning_pipetx.strategy.transition import drop_optimizer_state
 
 log = logging.getLogger("lightning_pipetx")
-
-SAMPLERS = ("auto", "distributed", "stable")
-
-
-class ManualOptimizationError(ValueError):
-    """A LightningModule with ``automatic_optimization = False`` under the strategy."""
-
-
-def _positive_or_auto(name: str, value: Any) -> None:
-    if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f"ElasticPipelineStrategy({name}={value!r}): use 'auto' or a whole number >= 1.")
 
 
 def _another_epoch_may_follow(trainer: pl.Trainer) -> bool:
@@ -134,23 +127,17 @@ class ElasticPipelineStrategy(DDPStrategy):
         reuse_host_memory: bool | str = "auto",
         **kwargs: Any,
     ) -> None:
-        _positive_or_auto("pipeline_length", pipeline_length)
-        _positive_or_auto("num_microbatches", num_microbatches)
-        if schedule not in SCHEDULES:
-            raise ValueError(f"ElasticPipelineStrategy(schedule={schedule!r}): choose one of {SCHEDULES}.")
-        if not isinstance(profile_steps, int) or isinstance(profile_steps, bool) or profile_steps < 0:
-            raise ValueError(f"ElasticPipelineStrategy(profile_steps={profile_steps!r}): use a whole number >= 0.")
+        check_arguments(
+            pipeline_length,
+            num_microbatches,
+            schedule,
+            profile_steps,
+            sampler,
+            memory_budget,
+            bucket_cap_mb,
+            reuse_host_memory,
+        )
         self._autocache = CacheControl(cache, cache_dir, cache_ram_bytes, cache_device_bytes)
-        if sampler not in SAMPLERS:
-            raise ValueError(f"ElasticPipelineStrategy(sampler={sampler!r}): choose one of {SAMPLERS}.")
-        if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):
-            raise ValueError(f"ElasticPipelineStrategy(memory_budget={memory_budget!r}): use a number of bytes > 0.")
-        if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
-            raise ValueError(f"ElasticPipelineStrategy(bucket_cap_mb={bucket_cap_mb!r}): use a size in MB > 0.")
-        if reuse_host_memory not in (True, False, "auto"):
-            raise ValueError(
-                f"ElasticPipelineStrategy(reuse_host_memory={reuse_host_memory!r}): use True, False or 'auto'."
-            )
         super().__init__(**kwargs)
         self.timeout = kwargs.get("timeout") or default_pg_timeout
         self.pipeline_length = pipeline_length
@@ -270,12 +257,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         # that Lightning keeps it (building it again would draw another seed from the user's stream).
         self._layout0 = plan.layout
         if trainer.state.fn == TrainerFn.FITTING:
-            if not self.lightning_module.automatic_optimization:
-                raise ManualOptimizationError(
-                    "ElasticPipelineStrategy runs each training step's forward and backward itself (micro-batches "
-                    "through the stages), so manual optimization (automatic_optimization = False, manual_backward) "
-                    "cannot run under it. Use automatic optimization, or Lightning's DDPStrategy for this module."
-                )
+            refuse_manual_optimization(self.lightning_module)
             # configure_optimizers sees every weight as one process would (it may group them by
             # shape or read them); the blocks this rank does not run are released after it.
             self.setup_optimizers(trainer)

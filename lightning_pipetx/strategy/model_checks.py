@@ -6,7 +6,8 @@ router logits of a mixture of experts, timm's ``forward_intermediates``) would s
 the blocks it skipped. The checks below watch for those requests on every call: Hugging Face
 models through a forward pre-hook (flags in the call or in the config), timm models through
 their ``forward_intermediates``. What the caller does about it (raise, or switch the cache off)
-is decided by ``on_request(model_name, what)``.
+is decided by ``on_request(model_name, what)``. A module that optimizes manually is refused at
+set-up: the strategy runs each training step's backwards itself.
 """
 
 from __future__ import annotations
@@ -18,6 +19,21 @@ from typing import Any
 from torch import nn
 
 COLLECTED_OUTPUTS = ("output_hidden_states", "output_attentions", "output_router_logits")
+
+
+class ManualOptimizationError(ValueError):
+    """A LightningModule with ``automatic_optimization = False`` under the strategy."""
+
+
+def refuse_manual_optimization(module: Any) -> None:
+    """The strategy runs each training step's forwards and backwards itself: a module that
+    calls ``manual_backward`` cannot run under it."""
+    if not module.automatic_optimization:
+        raise ManualOptimizationError(
+            "ElasticPipelineStrategy runs each training step's forward and backward itself (micro-batches "
+            "through the stages), so manual optimization (automatic_optimization = False, manual_backward) "
+            "cannot run under it. Use automatic optimization, or Lightning's DDPStrategy for this module."
+        )
 
 
 class UnsupportedOutputsError(ValueError):

@@ -1,0 +1,46 @@
+"""The arguments of :class:`~lightning_pipetx.ElasticPipelineStrategy`, checked when it is built
+(each error names the argument and what it accepts)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_pipetx.strategy.stage_runner import SCHEDULES
+
+SAMPLERS = ("auto", "distributed", "stable")
+
+
+def _error(name: str, value: Any, accepted: str) -> ValueError:
+    return ValueError(f"ElasticPipelineStrategy({name}={value!r}): {accepted}.")
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_arguments(
+    pipeline_length: Any,
+    num_microbatches: Any,
+    schedule: Any,
+    profile_steps: Any,
+    sampler: Any,
+    memory_budget: Any,
+    bucket_cap_mb: Any,
+    reuse_host_memory: Any,
+) -> None:
+    """Raise a ``ValueError`` for the first argument the strategy cannot run with."""
+    for name, value in (("pipeline_length", pipeline_length), ("num_microbatches", num_microbatches)):
+        if value != "auto" and (not _whole(value) or value < 1):
+            raise _error(name, value, "use 'auto' or a whole number >= 1")
+    if schedule not in SCHEDULES:
+        raise _error("schedule", schedule, f"choose one of {SCHEDULES}")
+    if not _whole(profile_steps) or profile_steps < 0:
+        raise _error("profile_steps", profile_steps, "use a whole number >= 0")
+    if sampler not in SAMPLERS:
+        raise _error("sampler", sampler, f"choose one of {SAMPLERS}")
+    if memory_budget is not None and (not _whole(memory_budget) or memory_budget <= 0):
+        raise _error("memory_budget", memory_budget, "use a number of bytes > 0")
+    if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or bucket_cap_mb <= 0:
+        raise _error("bucket_cap_mb", bucket_cap_mb, "use a size in MB > 0")
+    if reuse_host_memory not in (True, False, "auto"):
+        raise _error("reuse_host_memory", reuse_host_memory, "use True, False or 'auto'")
