@@ -288,6 +288,60 @@ def test_explicit_blocks_path_is_used():
     assert all(p.requires_grad for p in module.model.blocks.parameters())
 
 
+class TwoBlockLists(pl.LightningModule):
+    """A Transformer-like ``blocks`` list, and a bigger list of ``heads`` after it (what the
+    automatic search would pick)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList([tm.ResidualMLPBlock(16, dropout=0.0) for _ in range(4)])
+        self.heads = nn.ModuleList([nn.Linear(16, 256) for _ in range(3)])
+        self.out = nn.Linear(3 * 256, 2)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(torch.cat([head(h) for head in self.heads], -1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_two_lists(freeze, strategy):
+    trainer = make_trainer([freeze], max_epochs=2, strategy=strategy)
+    module = TwoBlockLists()
+    trainer.fit(module, seq_loader())
+    return module
+
+
+def test_the_block_list_given_to_the_strategy_is_the_one_that_freezes():
+    from lightning_pipetx import ElasticPipelineStrategy
+
+    freeze = FreezeCallback(alpha=0.5, signal="schedule")
+    module = _fit_two_lists(freeze, ElasticPipelineStrategy(blocks="blocks", profile_steps=0))
+    assert freeze.split.path == "blocks" and freeze.frozen_blocks == 3
+    frozen = {name.split(".")[0] for name, p in module.named_parameters() if not p.requires_grad}
+    assert frozen == {"embed", "blocks"}
+    assert all(p.requires_grad for p in module.heads.parameters())
+
+
+def test_different_block_lists_for_the_callback_and_the_strategy_are_refused():
+    from lightning_pipetx import ElasticPipelineStrategy
+
+    with pytest.raises(ValueError, match=r"blocks='heads'.*blocks='blocks'.*name different block lists"):
+        _fit_two_lists(FreezeCallback(blocks="heads"), ElasticPipelineStrategy(blocks="blocks"))
+    # Given to the callback only, while the strategy finds another list by itself.
+    with pytest.raises(ValueError, match=r"freeze the blocks of 'blocks'.*pipelines those of 'heads'"):
+        _fit_two_lists(FreezeCallback(blocks="blocks"), ElasticPipelineStrategy())
+
+
 # ------------------------------------------------------------------ decision cadence
 def test_freeze_interval_decides_every_n_epochs():
     fc = FreezeCallback(alpha=1 / 3, freeze_interval=2, signal="schedule")

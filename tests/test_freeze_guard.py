@@ -1,8 +1,11 @@
 """FreezeCallback's guard: no more freezing once the monitored validation metric degrades."""
 
+import json
+
 import pytest
 import tiny_models as tm
 import torch
+from distributed import run_workers
 
 from lightning_pipetx import FreezeCallback
 from lightning_pipetx.callbacks.freeze_guard import FreezeGuard
@@ -37,9 +40,9 @@ class ScriptedAccuracy(tm.TinySequentialRegressor):
         self.log("val_acc", self.accuracies[self.current_epoch])
 
 
-def fit(accuracies, **freeze_kwargs):
+def fit(accuracies, trainer_kwargs=None, **freeze_kwargs):
     freeze = FreezeCallback(alpha=1 / 3, signal="schedule", **freeze_kwargs)
-    trainer = tm.make_trainer([freeze], max_epochs=len(accuracies))
+    trainer = tm.make_trainer([freeze], max_epochs=len(accuracies), **(trainer_kwargs or {}))
     loader = tm.task_loader("sequential", size=16)
     trainer.fit(ScriptedAccuracy(accuracies), loader, loader)
     return freeze, trainer
@@ -54,6 +57,15 @@ def test_freezing_stops_for_good_when_validation_accuracy_drops():
     assert guarded.frozen_blocks == 4 and guarded.guard.stopped
     assert guarded.state_dict()["guard"] == {"best": pytest.approx(0.85), "stopped": True}
     assert trainer.callback_metrics["pipetx/frozen_blocks"] == 4
+
+
+def test_the_guard_judges_the_epochs_that_validated_only():
+    # Validation after epochs 1, 3 and 5 (the values of the others are never logged).
+    accuracies = [None, 0.85, None, 0.86, None, 0.80]
+    guarded, _ = fit(accuracies, {"check_val_every_n_epoch": 2}, monitor="val_acc", tolerance=0.02)
+    # Frozen 2, 4, 5 after epochs 0-2; epoch 5's 0.80 trips the guard, too late to matter.
+    assert guarded.frozen_blocks == 5 and guarded.guard.stopped
+    assert guarded.guard.best == pytest.approx(0.86)
 
 
 def test_within_the_tolerance_freezing_goes_on():
@@ -78,3 +90,13 @@ def test_the_guard_state_is_restored_from_a_checkpoint():
 def test_a_monitor_that_is_not_logged_fails_with_the_logged_names():
     with pytest.raises(ValueError, match="monitor='val_f1'"):
         fit([0.8, 0.8], monitor="val_f1")
+
+
+def test_the_guard_judges_the_mean_over_replicas_across_a_transition(tmp_path):
+    run_workers("guard_worker.py", 2, str(tmp_path))
+    for rank in range(2):
+        report = json.loads((tmp_path / f"guard_rank{rank}.json").read_text())
+        assert report["layouts"] == ["2x1", "1x2", "1x2"]
+        # Each replica sees 0 or 1 after the transition; their mean stays the 0.5 of one replica.
+        assert report["best"] == pytest.approx(0.5) and not report["stopped"]
+        assert report["frozen"] == 3

@@ -20,6 +20,7 @@ from lightning_pipetx.blocks import BlockSplit, find_blocks
 from lightning_pipetx.callbacks.freeze_guard import FreezeGuard
 from lightning_pipetx.callbacks.freeze_rule import FreezeDecision, decide
 from lightning_pipetx.pre_trace import PreTrace
+from lightning_pipetx.strategy.elastic_pipeline import ElasticPipelineStrategy
 from lightning_pipetx.strategy.loss_scaling import unscales_in_own_step
 
 log = logging.getLogger("lightning_pipetx")
@@ -107,6 +108,7 @@ class FreezeCallback(Callback):
         self._epoch_samples = 0
         self._epoch_seconds = 0.0
         self._last_tick = 0.0
+        self._validated = False  # a validation ran since the last epoch's end (the guard's evidence)
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -128,7 +130,7 @@ class FreezeCallback(Callback):
                 f"cannot change requires_grad after wrapping. Use a single device, DDPStrategy or "
                 f"ElasticPipelineStrategy."
             )
-        self._split = find_blocks(pl_module, self.blocks)
+        self._split = find_blocks(pl_module, _agreed_block_path(self.blocks, trainer.strategy))
         self._add_pre_weights()
         num_blocks = self._split.num_blocks
         if num_blocks <= self.min_active_blocks:
@@ -148,6 +150,16 @@ class FreezeCallback(Callback):
             self._split = self._split.with_pre_weights(self._pre_weights)
         else:  # found on another model: trace this one's first step
             self._pre_weights = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not isinstance(trainer.strategy, ElasticPipelineStrategy):
+            return
+        pipelined = trainer.strategy.block_path  # found at its set-up, which follows this callback's
+        if pipelined != self.split.path:
+            raise ValueError(
+                f"FreezeCallback would freeze the blocks of {self.split.path!r} while ElasticPipelineStrategy "
+                f"pipelines those of {pipelined!r}. Pass the same blocks=... to both."
+            )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Re-applies a frozen prefix restored from a checkpoint (ckpt_path=...).
@@ -199,6 +211,7 @@ class FreezeCallback(Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Validation inside a training epoch is not training time.
         self._last_tick = time.perf_counter()
+        self._validated = self._validated or not trainer.sanity_checking
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -262,8 +275,9 @@ class FreezeCallback(Callback):
         if callable(cache_stats):  # ElasticPipelineStrategy's AutoCache; a collective call
             for name, value in cache_stats().items():
                 pl_module.log(f"pipetx/{name}", value, on_step=False, on_epoch=True, sync_dist=True)
-        if self.guard is not None and not self.guard.stopped:
+        if self.guard is not None and not self.guard.stopped and self._validated:
             self._watch(trainer)
+        self._validated = False
         if self._decides_after(trainer.current_epoch) and not (self.guard and self.guard.stopped):
             self._decide(trainer)
 
@@ -272,18 +286,20 @@ class FreezeCallback(Callback):
         return trained > 0 and trained % self.freeze_interval == 0
 
     def _watch(self, trainer: pl.Trainer) -> None:
-        """The guard: stop freezing, on every rank alike, once the monitored metric degraded."""
-        degraded = self.guard.observe(trainer.callback_metrics)
-        if _all_reduce_max(torch.tensor([float(degraded)], dtype=torch.float64))[0] > 0:
+        """The guard: stop freezing, on every rank alike, once the monitored metric degraded. It
+        judges the mean over the ranks (a collective): a metric logged without ``sync_dist``
+        holds each replica's share of the validation set, whose number can change."""
+        value = float(_all_reduce_mean(torch.tensor([self.guard.read(trainer.callback_metrics)]))[0])
+        if self.guard.judge(value):
             self.guard.stopped = True
             if trainer.is_global_zero:
                 log.info(
-                    "pipetx: epoch %d: %s = %s is worse than its best %s by more than %s: no more blocks freeze "
+                    "pipetx: epoch %d: %s = %.4g is worse than its best %.4g by more than %s: no more blocks freeze "
                     "(%d of %d frozen)",
                     trainer.current_epoch,
                     self.guard.monitor,
-                    f"{float(trainer.callback_metrics[self.guard.monitor]):.4g}",
-                    f"{self.guard.best:.4g}",
+                    value,
+                    float("nan") if self.guard.best is None else self.guard.best,
                     self.guard.tolerance,
                     self.frozen_blocks,
                     self.split.num_blocks,
@@ -385,15 +401,38 @@ def _num_replicas(trainer: pl.Trainer) -> int:
     return int(kwargs.get("num_replicas", 1))
 
 
-def _all_reduce_max(values: torch.Tensor) -> torch.Tensor:
-    """The maximum over the ranks of what each saw (the norms of the blocks it trains, zeros
-    elsewhere; the guard's verdict; the weights the first step read)."""
+def _all_reduce(values: torch.Tensor, op: Any) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
         buffer = values.to(device=device or values.device, dtype=torch.float64)
-        dist.all_reduce(buffer, op=dist.ReduceOp.MAX)
+        dist.all_reduce(buffer, op=op)
         return buffer.to(values.device, torch.float64)
-    return values
+    return values.to(torch.float64)
+
+
+def _all_reduce_max(values: torch.Tensor) -> torch.Tensor:
+    """The maximum over the ranks of what each saw (the norms of the blocks it trains, zeros
+    elsewhere; the weights the first step read)."""
+    return _all_reduce(values, dist.ReduceOp.MAX)
+
+
+def _all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
+    """The mean over the ranks (every stage holds its replica's logged values: the mean over
+    the ranks is the mean over the replicas)."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return _all_reduce(values, dist.ReduceOp.SUM) / world
+
+
+def _agreed_block_path(own: str | None, strategy: Any) -> str | None:
+    """The block list to freeze: the one given to this callback or to ElasticPipelineStrategy
+    (both, if given, must name the same); None: found automatically, as the strategy finds it."""
+    pipelined = strategy.blocks if isinstance(strategy, ElasticPipelineStrategy) else None
+    if own is not None and pipelined is not None and own != pipelined:
+        raise ValueError(
+            f"FreezeCallback(blocks={own!r}) and ElasticPipelineStrategy(blocks={pipelined!r}) name different "
+            f"block lists: the strategy pipelines the blocks that freeze. Pass the same path to both, or to one."
+        )
+    return own if own is not None else pipelined
 
 
 def _rewrap_ddp(strategy: DDPStrategy) -> None:

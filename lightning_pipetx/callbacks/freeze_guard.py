@@ -10,7 +10,7 @@ _MODES = ("max", "min")
 
 
 class FreezeGuard:
-    """Watches ``monitor`` after every epoch; once it is worse than its best so far by more than
+    """Watches ``monitor`` after every validation; once it is worse than its best so far by more than
     ``tolerance``, :attr:`stopped` turns True for the rest of the run.
 
     Args:
@@ -28,20 +28,27 @@ class FreezeGuard:
         self.best: float | None = None
         self.stopped = False
 
-    def observe(self, metrics: Mapping[str, Any]) -> bool:
-        """Take this epoch's value; True when it is worse than the best by more than the tolerance."""
+    def read(self, metrics: Mapping[str, Any]) -> float:
+        """The monitored value among ``metrics`` (``trainer.callback_metrics``)."""
         if self.monitor not in metrics:
             raise ValueError(
                 f"FreezeCallback(monitor={self.monitor!r}): no such metric was logged (logged: "
                 f"{sorted(metrics) or 'none'}). Log it in validation_step with self.log, or pick one of those."
             )
-        value = float(metrics[self.monitor])
+        return float(metrics[self.monitor])
+
+    def judge(self, value: float) -> bool:
+        """Take this epoch's value; True when it is worse than the best by more than the tolerance."""
         sign = 1.0 if self.mode == "max" else -1.0
         if math.isnan(value):
             return True
         if self.best is None or sign * (value - self.best) > 0:
             self.best = value
         return sign * (self.best - value) > self.tolerance
+
+    def observe(self, metrics: Mapping[str, Any]) -> bool:
+        """:meth:`judge` the monitored value among ``metrics``."""
+        return self.judge(self.read(metrics))
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "stopped": self.stopped}

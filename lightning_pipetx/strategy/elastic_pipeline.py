@@ -189,6 +189,11 @@ class ElasticPipelineStrategy(DDPStrategy):
     def layout(self) -> Layout:
         return self._require_engine().layout
 
+    @property
+    def block_path(self) -> str | None:
+        """Dotted path of the block list the strategy pipelines (found at set-up; None before)."""
+        return None if self._split is None else self._split.path
+
     def _memory_budget(self) -> float:
         """Bytes per device for the initial layout, the smallest over all ranks."""
         budget = self.memory_budget or device_memory(self.root_device, self.num_processes)
