@@ -29,6 +29,7 @@ def fit(
     drop_last=False,
     watch=(),
     max_steps=-1,
+    trainer_kwargs=None,
     **strategy_kwargs,
 ):
     module = module or tm.TinyBertClassifier(seed=0, dropout=0.0)
@@ -44,6 +45,7 @@ def fit(
         max_epochs=epochs,
         max_steps=max_steps,
         callbacks=[freeze, rates, *watch],
+        **(trainer_kwargs or {}),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -127,12 +129,99 @@ def test_samples_left_out_of_the_last_epoch_are_not_cached(tmp_path, limit):
     assert module.calls == {0: 4, 1: 5, 2: 4}
 
 
+def test_the_drop_last_fill_converts_its_batch_to_the_precision(tmp_path):
+    shares = _ServedShares()
+    module = tm.TinySequentialRegressor(seed=0, dropout=0.0)
+    data = tm.RandomVectorDataset(size=36)  # float inputs: "64-true" makes them float64
+    _, rates, _ = fit(
+        True, data, tmp_path, drop_last=True, module=module, watch=[shares], trainer_kwargs={"precision": "64-true"}
+    )
+    assert rates == [None, 0.0, 0.0, 1.0] and shares.shares[2:] == [1.0, 1.0]
+
+
+class _ShiftedTokens(torch.utils.data.Dataset):
+    """Token ids stored out of the vocabulary, shifted back by the DataModule's batch hook."""
+
+    def __init__(self):
+        self.inner = tm.RandomTokenDataset(size=36, seed=1)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        sample = dict(self.inner[index])
+        return {**sample, "input_ids": sample["input_ids"] + 1000}
+
+
+class _ShiftingDataModule(pl.LightningDataModule):
+    def train_dataloader(self):
+        return DataLoader(_ShiftedTokens(), batch_size=8, shuffle=True, drop_last=True)
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        return {**batch, "input_ids": batch["input_ids"] - 1000}
+
+
+def test_the_drop_last_fill_calls_the_datamodules_batch_hook(tmp_path):
+    shares = _ServedShares()
+    trainer = tm.make_trainer(
+        [FreezeCallback(alpha=1 / 2, signal="schedule"), shares],
+        max_epochs=4,
+        strategy=ElasticPipelineStrategy(cache=True, profile_steps=0, cache_dir=str(tmp_path / "spill")),
+    )
+    module = _CountedSteps()
+    trainer.fit(module, datamodule=_ShiftingDataModule())
+    assert module.calls == {0: 4, 1: 5, 2: 5, 3: 4} and shares.shares[2:] == [1.0, 1.0]
+
+
+class _PaddedTokens(torch.utils.data.Dataset):
+    """17 samples of full length and 16 of half length, padded per batch by :func:`_pad`."""
+
+    def __init__(self):
+        self.ids = torch.randint(2, tm.VOCAB, (33, tm.SEQ_LEN), generator=torch.Generator().manual_seed(0))
+        self.lengths = [tm.SEQ_LEN] * 17 + [tm.SEQ_LEN // 2] * 16
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, index):
+        ids = self.ids[index, : self.lengths[index]]
+        return {"input_ids": ids, "labels": ids[0] % tm.NUM_LABELS}
+
+
+def _pad(samples):
+    width = max(len(s["input_ids"]) for s in samples)
+    ids = torch.zeros(len(samples), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, sample in enumerate(samples):
+        ids[row, : len(sample["input_ids"])] = sample["input_ids"]
+        mask[row, : len(sample["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": torch.stack([s["labels"] for s in samples])}
+
+
+def test_a_left_out_sample_padded_shorter_than_the_batches_is_not_cached(tmp_path, caplog):
+    # Batches of 16 always hold a sample of full length (17 of the 33): every batch is as wide in
+    # every epoch, and the cache serves them. The sample drop_last leaves out is padded to its own
+    # length, often shorter: it is left uncached rather than taken for dynamic padding.
+    loader = DataLoader(_PaddedTokens(), batch_size=16, shuffle=True, drop_last=True, collate_fn=_pad)
+    rates = tm.HitRates()
+    trainer = tm.make_trainer(
+        [FreezeCallback(alpha=1 / 4, signal="schedule"), rates],
+        max_epochs=6,
+        strategy=ElasticPipelineStrategy(cache="auto", profile_steps=0, cache_dir=str(tmp_path / "spill")),
+    )
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        trainer.fit(tm.TinyBertClassifier(seed=0, dropout=0.0), loader)
+    assert not [r.message for r in caplog.records if "switched off" in r.message]
+    assert rates.rates[-1] == 1.0
+
+
 def test_augmentation_switches_the_cache_off_with_a_warning(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="lightning_pipetx"):
         _, rates, trainer = fit("auto", tm.AugmentedTokenDataset(size=32, seed=1), tmp_path)
     assert any("input changed between epochs" in r.message for r in caplog.records)
     assert sum("AutoCache switched off" in r.message for r in caplog.records) == 1
     assert all(rate in (None, 0.0) for rate in rates)
+    assert trainer.callback_metrics["pipetx/cache_ram_bytes"] == 0  # its states are freed once off
 
 
 class _MaskedInStep(tm.TinyBertClassifier):

@@ -151,6 +151,8 @@ class AutoCache:
             self._changed(CHANGED_PREFIX_INPUT)
         if disabled and self.enabled:
             self.disable("another rank switched it off")
+        if not self.enabled:  # every rank alike: nobody reads the states again
+            self._release()
         for name, flag in zip(TIER_NAMES, slow_flags):
             if flag and name not in self.dropped:
                 # Disk is never faster than host RAM: dropping RAM drops disk too.
@@ -380,6 +382,15 @@ class AutoCache:
         """The counts since the last call."""
         counts, self.counts = self.counts, EpochCounts()
         return counts
+
+    def _release(self) -> None:
+        """Free every depth's memory and files."""
+        self.flush_writes()
+        self._prefetched = None
+        for entry in self._depths.values():
+            for tier in entry.tiers:
+                tier.close()
+        self._depths.clear()
 
     def close(self, remove_files: bool) -> None:
         self.flush_writes()

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from lightning_pipetx.autocache.cache import AutoCache
 from lightning_pipetx.strategy.fingerprint import hidden_state_fingerprints, sample_fingerprints
@@ -22,6 +23,7 @@ class CachedPrefix:
         self.cache = cache
         self.hooks = hooks
         self.device = device
+        self._sample_shapes: list[tuple[int, ...]] | None = None  # of the last batch recorded
 
     def begin_step(
         self, batch: Any, indices: torch.Tensor, sizes: list[int], depth: int
@@ -42,6 +44,7 @@ class CachedPrefix:
 
     def _observe_input(self, indices: torch.Tensor, batch: Any) -> None:
         self.cache.guard.observe(indices, sample_fingerprints(batch, len(indices), self.device))
+        self._sample_shapes = _sample_shapes(batch)
 
     def _observe_prefix_input(self, indices: torch.Tensor, hidden: torch.Tensor) -> None:
         if hidden.dim() > 0 and hidden.shape[0] == len(indices):  # one row per sample
@@ -56,6 +59,8 @@ class CachedPrefix:
         if depth == 0 or not cache.enabled or cache.cached_depth(indices, depth) == depth:
             return
         batch = load()
+        if _sample_shapes(batch) != self._sample_shapes:
+            return  # padded to another length than the epoch's batches: its states would not fit
         self._observe_input(indices, batch)
         try:
             with self._microbatch(indices, depth, stop_at_capture=True):
@@ -92,3 +97,8 @@ class CachedPrefix:
             hooks.on_first_block = hooks.on_capture = hooks.on_prefix_input = None
             if captured_state is not None:
                 cache.store(indices, depth, captured_state)
+
+
+def _sample_shapes(batch: Any) -> list[tuple[int, ...]]:
+    """The shape of one sample in each tensor of ``batch`` (the batch dimension left out)."""
+    return [tuple(t.shape[1:]) for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]

@@ -440,8 +440,12 @@ class ElasticPipelineStrategy(DDPStrategy):
         return output
 
     def _to_device(self, batch: Any) -> Any:
-        """A batch of the training loader's, moved as Lightning moves each (with the module's hooks)."""
-        return self.batch_to_device(self.lightning_module.on_before_batch_transfer(batch, 0))
+        """A batch of the training loader's, prepared as Lightning's loop prepares each: the
+        precision's input conversion, ``on_before_batch_transfer`` (the DataModule's or the
+        LightningModule's), the move with the transfer hooks."""
+        batch = self.precision_plugin.convert_input(batch)
+        batch = self.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
+        return self.batch_to_device(batch)
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The pipeline already ran the backwards in ``training_step``: hand its gradients over,

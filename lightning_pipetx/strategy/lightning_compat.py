@@ -74,6 +74,11 @@ INTERNALS = (
         _loader_takes_a_new_batch_sampler,
     ),
     Internal(
+        "LightningModule._on_before_batch_transfer",
+        "AutoCache prepares the samples drop_last left out as the loop prepares a batch (DataModule's hook first)",
+        lambda trainer: callable(getattr(pl.LightningModule, "_on_before_batch_transfer", None)),
+    ),
+    Internal(
         "PrecisionPlugin.clip_gradients (replaced on the instance)",
         "gradient clipping by the norm over every stage's gradients",
         lambda trainer: callable(getattr(trainer.precision_plugin, "clip_gradients", None)),
