@@ -120,6 +120,28 @@ def test_samples_left_out_by_drop_last_are_cached_too_and_training_stays_exact(t
     assert module.calls == {0: 4, 1: 5, 2: 5, 3: 4}
 
 
+class _FullBatchesOnly(_CountedSteps):
+    """A training_step written for batches of 8 only (drop_last=True promises it those)."""
+
+    def training_step(self, batch, batch_idx):
+        self.calls[self.current_epoch] = self.calls.get(self.current_epoch, 0) + 1
+        batch = {key: value.view(8, *value.shape[1:]) for key, value in batch.items()}
+        return tm.TinyBertClassifier.training_step(self, batch, batch_idx)
+
+
+def test_a_step_that_fails_on_the_left_out_samples_trains_as_before(tmp_path, caplog):
+    data = tm.RandomTokenDataset(size=36, seed=1)
+    uncached, _, _ = fit(False, data, tmp_path, drop_last=True)
+    module = _FullBatchesOnly()
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        cached, rates, _ = fit(True, data, tmp_path, drop_last=True, module=module)
+    _same(cached, uncached)
+    failures = [r.message for r in caplog.records if "drop_last left out" in r.message]
+    assert len(failures) == 1 and "RuntimeError" in failures[0]
+    assert module.calls == {0: 4, 1: 5, 2: 4, 3: 4}  # tried once, after epoch 1, then no more
+    assert rates[-1] > 0  # the states of what the epochs' batches held are still served
+
+
 @pytest.mark.parametrize("limit", [{"epochs": 3}, {"epochs": 9, "max_steps": 12}])
 def test_samples_left_out_of_the_last_epoch_are_not_cached(tmp_path, limit):
     module = _CountedSteps()

@@ -90,6 +90,7 @@ class AutoCache:
         self.prefix_guard = InputGuard(num_samples, device, tolerance=1e-4)  # what enters the frozen blocks
         self.force = False  # cache=True: a changed input only warns
         self.enabled = True
+        self.fills = True  # caches the samples drop_last leaves out (off once the user's step failed on them)
         self.dropped: set[str] = set()  # tiers measured slower than computing the prefix
         self.counts = EpochCounts()
         self.watch = Stopwatch(device)

@@ -4,6 +4,7 @@ or fill the frozen prefix of each micro-batch."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,6 +15,8 @@ from lightning_pipetx.autocache.cache import AutoCache
 from lightning_pipetx.strategy.fingerprint import hidden_state_fingerprints, sample_fingerprints
 from lightning_pipetx.strategy.p2p import Activation
 from lightning_pipetx.strategy.stage_hooks import StageExit, StageHooks
+
+log = logging.getLogger("lightning_pipetx")
 
 
 class CachedPrefix:
@@ -56,7 +59,7 @@ class CachedPrefix:
         block ``depth - 1``. Without it each later batch holding one of them would run the
         frozen blocks again when the depth next grows."""
         cache = self.cache
-        if depth == 0 or not cache.enabled or cache.cached_depth(indices, depth) == depth:
+        if depth == 0 or not (cache.enabled and cache.fills) or cache.cached_depth(indices, depth) == depth:
             return
         batch = load()
         if _sample_shapes(batch) != self._sample_shapes:
@@ -67,6 +70,16 @@ class CachedPrefix:
                 run(batch)
         except StageExit:
             pass
+        except Exception as error:  # a step that trains on full batches only: caching them is optional
+            cache.fills = False
+            log.warning(
+                "pipetx: %s: training_step failed on the %d samples drop_last left out (%s: %s); they are not "
+                "cached in this run, which trains as before",
+                cache.label,
+                len(indices),
+                type(error).__name__,
+                error,
+            )
         finally:
             self.hooks.incoming = None
 
