@@ -472,6 +472,10 @@ def test_a_samples_fingerprint_does_not_depend_on_the_batch_it_is_in():
     swapped = batch["input_ids"].clone()
     swapped[3, [5, 6]] = swapped[3, [6, 5]]
     assert (sample_fingerprints({**batch, "input_ids": swapped}, 32) != full).nonzero().flatten().tolist() == [3]
+    for position in range(62):  # +1, -2, +1 on three neighbouring tokens (a second difference)
+        edited = batch["input_ids"].clone()
+        edited[9, position : position + 3] += torch.tensor([1, -2, 1])
+        assert (sample_fingerprints({**batch, "input_ids": edited}, 32) != full).nonzero().flatten().tolist() == [9]
 
 
 def test_the_prefix_guard_tolerates_a_relative_difference_below_its_tolerance():

@@ -37,10 +37,13 @@ _EXACT = 2**53  # float64 holds every integer below this
 
 @functools.lru_cache(maxsize=32)
 def _piece_weights(length: int, device: torch.device) -> torch.Tensor:
-    """Integer weights ``1..top`` by position, ``top`` small enough that a row's weighted sum of
-    16-bit pieces stays an exact float64 integer in any order of summation."""
+    """Integer weights in ``1..top``, drawn once (seeded) per position: ``top`` is small enough that a
+    row's weighted sum of 16-bit pieces stays an exact float64 integer in any order of summation,
+    and unordered weights leave no regular edit unseen (weights in a progression miss +1, -2, +1
+    on three neighbouring values)."""
     top = max(1, min(_PIECE - 1, _EXACT // (_PIECE * max(1, length))))
-    return (torch.arange(length, dtype=torch.float64) % top + 1).to(device)
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(1, top + 1, (length,), generator=generator).to(device, torch.float64)
 
 
 def _pieces(tensor: torch.Tensor) -> torch.Tensor:
