@@ -669,6 +669,39 @@ def test_timm_vit_lightning_module_freezes_one_block_per_epoch():
 
 
 # ------------------------------------------------------------------ checkpoint / resume
+class _FrozenAtEpochStart(Callback):
+    def __init__(self, freeze):
+        self.freeze, self.rows, self.throughputs = freeze, [], []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.rows.append((trainer.current_epoch, self.freeze.frozen_blocks))
+        if "pipetx/samples_per_sec" in trainer.callback_metrics:  # the last epoch's
+            self.throughputs.append(float(trainer.callback_metrics["pipetx/samples_per_sec"]))
+
+
+def _fit_steps(max_steps, checkpoints, ckpt_path=None):
+    freeze = FreezeCallback(alpha=0.25, signal="schedule")
+    rows = _FrozenAtEpochStart(freeze)
+    saver = ModelCheckpoint(dirpath=checkpoints, save_top_k=-1, filename="{epoch}-{step}")
+    trainer = make_trainer([freeze, rows, saver], max_epochs=-1, max_steps=max_steps, enable_checkpointing=True)
+    trainer.fit(seq_module(dropout=0.0, num_blocks=8), seq_loader(size=32), ckpt_path=ckpt_path)
+    return rows.rows, freeze.frozen_blocks, freeze.decisions, rows.throughputs
+
+
+def test_an_epoch_cut_short_is_decided_when_a_resumed_run_completes_it(tmp_path):
+    # 8 batches an epoch. 28 steps end inside epoch 3: no decision on half an epoch.
+    rows, frozen, decisions, whole = _fit_steps(28, tmp_path / "whole")
+    assert rows == [(0, 0), (1, 2), (2, 4), (3, 5)] and (frozen, decisions) == (5, 3)
+    # Stopped at step 10, inside epoch 1 (saved there), then resumed to step 28: the same decisions.
+    _fit_steps(10, tmp_path / "first")
+    rows, frozen, decisions, resumed = _fit_steps(
+        28, tmp_path / "resumed", str(tmp_path / "first" / "epoch=1-step=10.ckpt")
+    )
+    assert rows == [(2, 4), (3, 5)] and (frozen, decisions) == (5, 3)
+    # The resumed epoch's throughput is timed from the resumed run's start.
+    assert resumed[0] > min(whole) / 1000  # not from the clock's origin: about a millionth of it
+
+
 def test_state_dict_round_trip():
     fc = FreezeCallback(alpha=1 / 3, freeze_interval=2)
     make_trainer([fc], max_epochs=3).fit(seq_module(), seq_loader())

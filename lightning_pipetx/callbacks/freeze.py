@@ -162,6 +162,7 @@ class FreezeCallback(Callback):
             )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_tick = time.perf_counter()  # a run resumed mid-epoch skips on_train_epoch_start
         # Re-applies a frozen prefix restored from a checkpoint (ckpt_path=...).
         if self.frozen_blocks:
             self._apply(trainer)
@@ -278,7 +279,8 @@ class FreezeCallback(Callback):
         if self.guard is not None and not self.guard.stopped and self._validated:
             self._watch(trainer)
         self._validated = False
-        if self._decides_after(trainer.current_epoch) and not (self.guard and self.guard.stopped):
+        stopped = self.guard is not None and self.guard.stopped
+        if self._decides_after(trainer.current_epoch) and not stopped and _ran_every_batch(trainer):
             self._decide(trainer)
 
     def _decides_after(self, epoch: int) -> bool:
@@ -394,6 +396,15 @@ def _loss_scale_left_in(
     if not unscales_in_own_step(optimizer):
         return None
     return scaler.scale(torch.ones((), device=device)).to(torch.float64)
+
+
+def _ran_every_batch(trainer: pl.Trainer) -> bool:
+    """Whether the training epoch that ends ran all its batches: one that ``max_steps`` or a stop
+    cut short is decided when a resumed run completes it, as an uninterrupted run decides it."""
+    progress = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "batch_progress", None)
+    if progress is None:  # a Lightning without it: decide, as before
+        return True
+    return progress.is_last_batch or progress.current.ready >= trainer.num_training_batches
 
 
 def _num_replicas(trainer: pl.Trainer) -> int:
