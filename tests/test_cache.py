@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
-from lightning_pipetx.autocache import AutoCache, TrainablePrefixError
+from lightning_pipetx.autocache import AutoCache, CacheControl, CacheFeed, CacheSite, TrainablePrefixError
 from lightning_pipetx.autocache.guards import InputGuard
 from lightning_pipetx.strategy.fingerprint import sample_fingerprints
 from lightning_pipetx.strategy.p2p import Activation
@@ -525,3 +525,11 @@ def test_a_full_ram_file_system_sends_the_depth_to_disk_instead_of_crashing(tmp_
     assert not list(ram.glob("depth1*"))
     assert cache.lookup(torch.arange(4), 1)[0] == 1
     cache.close(remove_files=True)
+
+
+def test_a_loader_without_automatic_batching_is_not_recorded(tmp_path):
+    # What Lightning makes of DataLoader(batch_sampler=BatchSampler(...)) when it adds its sampler.
+    feed = CacheFeed(CacheControl(True, str(tmp_path), 2**20, 0))
+    loader = DataLoader(tm.RandomTokenDataset(size=4), batch_size=None)
+    returned, opened = feed.training_loader(loader, CacheSite("run", 0, torch.device("cpu"), share_host=False))
+    assert returned is loader and opened is None and loader.batch_sampler is None

@@ -87,3 +87,12 @@ def test_block_buffers_move_with_their_blocks(tmp_path):
     embedder = {k: v for k, v in saved.items() if k.startswith("model.resnet.embedder.")}
     sums = [float(sum(v.sum() for k, v in embedder.items() if k.endswith(n))) for n in ("mean", "var", "tracked")]
     assert sums == pytest.approx(first_stage, rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["iterable", "batch_sampler"])
+def test_a_loader_that_cannot_be_rebatched_keeps_its_replicas(tmp_path, kind):
+    output = run_workers("loader_kinds_worker.py", 2, str(tmp_path), kind)
+    assert "layouts keep 1 replicas" in output
+    for rank in range(2):
+        report = json.loads((tmp_path / f"{kind}_rank{rank}.json").read_text())
+        assert report["layouts"] == ["2x1", "2x1", "2x1"] and report["frozen"] == 3

@@ -57,7 +57,8 @@ class CacheFeed:
         self._validation = ValidationKeys()
 
     def _cacheable(self, loader: DataLoader) -> bool:
-        return self.control.mode is not False and _has_len(loader.dataset)
+        # batch_sampler None: the loader yields the dataset's items unbatched (no indices to record)
+        return self.control.mode is not False and loader.batch_sampler is not None and _has_len(loader.dataset)
 
     def training_loader(self, loader: DataLoader, site: CacheSite) -> tuple[DataLoader, AutoCache | None]:
         """``loader``, recording its batches; and the training cache if this call opened it."""

@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from lightning_pipetx.strategy.autopipe import Plan
-from lightning_pipetx.strategy.dataloading import global_batch_fits, rebatch
+from lightning_pipetx.strategy.dataloading import batch_size_to_keep, global_batch_fits, rebatch
 from lightning_pipetx.strategy.engine import PipelineEngine
 from lightning_pipetx.strategy.param_store import ParamStore
 from lightning_pipetx.strategy.topology import Layout
@@ -77,7 +77,13 @@ class AutoDP:
     def reshard(self, dataloader: DataLoader, replicas: int) -> DataLoader:
         """The training loader for ``replicas`` replicas (Lightning's sampler shards it by replica)."""
         if self.batch0 is None:
-            self.batch0 = (dataloader.batch_size, replicas)
+            self.batch0 = (batch_size_to_keep(dataloader), replicas)
+            if self.keep_global_batch and self.batch0[0] is None:
+                log.info(
+                    "pipetx: the training DataLoader cannot be re-batched (a batch_sampler or an IterableDataset): "
+                    "layouts keep %d replicas, so that the global batch stays yours; keep_global_batch=False lifts this",
+                    replicas,
+                )
         return rebatch(dataloader, self.batch0, replicas) if self.keep_global_batch else dataloader
 
     def transition(

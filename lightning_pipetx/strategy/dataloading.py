@@ -5,17 +5,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from lightning_pipetx.strategy.shard_sampler import StableShardSampler
 
 
 def global_batch_fits(batch0: tuple[int | None, int] | None, replicas: int) -> bool:
-    """Whether the global batch of ``batch0 = (batch_size, replicas)`` splits over ``replicas``."""
-    if batch0 is None or batch0[0] is None:
+    """Whether the global batch of ``batch0 = (batch_size, replicas)`` splits over ``replicas``
+    (a loader that cannot be re-batched, ``batch_size`` None: only over as many replicas)."""
+    if batch0 is None:
         return True
     size, replicas0 = batch0
+    if size is None:
+        return replicas == replicas0
     return (size * replicas0) % replicas == 0
+
+
+def batch_size_to_keep(loader: DataLoader) -> int | None:
+    """The batch size :func:`rebatch` can change: None for a ``batch_sampler`` of the user's or
+    an ``IterableDataset`` (which yields its own samples, without a sampler to re-shard)."""
+    return None if isinstance(loader.dataset, IterableDataset) else loader.batch_size
 
 
 def rebatch(loader: DataLoader, batch0: tuple[int | None, int], replicas: int) -> DataLoader:

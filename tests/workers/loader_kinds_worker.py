@@ -1,0 +1,62 @@
+"""Freezing on 2 processes with training loaders that cannot be re-batched.
+
+Usage: torchrun --nproc_per_node=2 loader_kinds_worker.py OUT_DIR KIND
+KIND: ``iterable`` (an IterableDataset) or ``batch_sampler`` (a DataLoader built with one of the
+user's class; Lightning un-batches a loader built with torch's own ``BatchSampler``). The
+global batch cannot be kept over 2 replicas, so the 2x1 pipeline must stay 2x1 as blocks freeze.
+Every rank writes OUT_DIR/<KIND>_rank<N>.json: the layout each epoch and the frozen blocks.
+"""
+
+import json
+import os
+import sys
+
+from lightning.pytorch.callbacks import Callback
+from tiny_models import RandomVectorDataset, TinySequentialRegressor, make_trainer
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
+
+from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
+
+
+class Stream(IterableDataset):
+    """The same 16 samples on every rank, in order."""
+
+    def __init__(self):
+        self.samples = RandomVectorDataset(size=16)
+
+    def __iter__(self):
+        return (self.samples[i] for i in range(len(self.samples)))
+
+
+class InOrder(BatchSampler):
+    """A batch sampler of the user's (Lightning gives it a distributed sampler by its arguments)."""
+
+
+class Layouts(Callback):
+    def __init__(self):
+        self.layouts = []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.layouts.append(str(trainer.strategy.layout))
+
+
+def main():
+    out_dir, kind = sys.argv[1], sys.argv[2]
+    if kind == "iterable":
+        loader = DataLoader(Stream(), batch_size=4)
+    else:
+        samples = RandomVectorDataset(size=16)
+        loader = DataLoader(samples, batch_sampler=InOrder(SequentialSampler(samples), 4, drop_last=False))
+    freeze = FreezeCallback(alpha=0.5, signal="schedule")
+    layouts = Layouts()
+    trainer = make_trainer(
+        [freeze, layouts], max_epochs=3, devices=2, strategy=ElasticPipelineStrategy(pipeline_length=2, profile_steps=0)
+    )
+    trainer.fit(TinySequentialRegressor(seed=0, dropout=0.0), loader)
+    report = {"layouts": layouts.layouts, "frozen": freeze.frozen_blocks}
+    with open(os.path.join(out_dir, f"{kind}_rank{trainer.global_rank}.json"), "w") as handle:
+        json.dump(report, handle)
+
+
+if __name__ == "__main__":
+    main()
