@@ -5,10 +5,13 @@ import json
 import random
 
 import pytest
+import tiny_models as tm
+import torch
 from distributed import run_workers
+from lightning.pytorch.callbacks import ModelCheckpoint
 from tiny_models import build_model
 
-from lightning_pipetx import Layout, find_blocks
+from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback, Layout, find_blocks
 from lightning_pipetx.strategy.autopipe import (
     FROZEN_TIME,
     AutoPipe,
@@ -154,8 +157,31 @@ def test_the_planner_starts_within_its_budget_and_takes_the_profile_once():
     planner = AutoPipe(2, num_microbatches=3)
     plan, why = planner.start(split, 2, 2, budget=lambda: pytest.fail("a fixed length needs no budget"), profile=True)
     assert why is None and plan.layout == Layout(2, 1) and plan.num_microbatches == 3
+    planner.restore_profile(None)  # a checkpoint saved before the first freeze: the profile is still to take
+    planner.restore_profile([1.0, 2.0])  # another model's: ignored
+    assert not planner.profiled
     assert planner.take_profile(lambda: [1.0, 1.0, 1.0, 5.0]) == [1.0, 1.0, 1.0, 5.0]
     assert plan.bounds == ((0, 2), (2, 4)) and planner.plan(0, 2).bounds == ((0, 3), (3, 4))  # the profiled costs
+
+
+def test_a_resumed_run_plans_with_the_block_costs_its_checkpoint_measured(tmp_path):
+    def fit(epochs, ckpt_path=None):
+        strategy = ElasticPipelineStrategy(profile_steps=2, cache_dir=str(tmp_path / "cache"))
+        saver = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_top_k=-1, filename="{epoch}")
+        freeze = FreezeCallback(alpha=0.5, signal="schedule")
+        trainer = tm.make_trainer([freeze, saver], max_epochs=epochs, strategy=strategy, enable_checkpointing=True)
+        trainer.fit(
+            tm.TinySequentialRegressor(seed=0, dropout=0.0), tm.task_loader("sequential", size=32), ckpt_path=ckpt_path
+        )
+        return strategy.autopipe
+
+    measured = fit(2)
+    assert measured.profiled
+    saved = torch.load(tmp_path / "checkpoints" / "epoch=0.ckpt", weights_only=False)["pipetx"]["block_costs"]
+    assert saved == measured.costs  # taken at the first freeze, after epoch 0
+    # The resumed run runs its frozen blocks from the cache: it could not time them again.
+    resumed = fit(3, str(tmp_path / "checkpoints" / "epoch=1.ckpt"))
+    assert resumed.profiled and resumed.costs == saved
 
 
 def test_the_strategy_chooses_its_initial_layout_by_memory(tmp_path):

@@ -286,6 +286,7 @@ class AutoPipe:
         self.pipeline_length = pipeline_length
         self.microbatches = None if num_microbatches == "auto" else num_microbatches
         self.costs: list[float] = []
+        self.profiled = False  # the costs are measured forward times
         self.initial_length = 1
         self._awaiting_profile = False
 
@@ -329,8 +330,14 @@ class AutoPipe:
         self._awaiting_profile = False
         profiled = seconds()
         if profiled is not None:
-            self.costs = profiled
+            self.costs, self.profiled = profiled, True
         return profiled
+
+    def restore_profile(self, costs: list[float] | None) -> None:
+        """The measured costs of the run a checkpoint was saved in (None: it had not measured them),
+        so that a resumed run plans as that run did instead of profiling frozen blocks again."""
+        if costs is not None and len(costs) == len(self.costs):
+            self.costs, self.profiled, self._awaiting_profile = [float(c) for c in costs], True, False
 
     def plan(
         self,

@@ -171,6 +171,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._eval_metrics = EvalMetricGroups()
         self._quiet_writers = QuietWriters()
         self._agreement: FailureAgreement | None = None
+        self._restored_profile: list[float] | None = None  # block costs from the checkpoint resumed
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -219,6 +220,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         )
         if why is not None and self.is_global_zero:
             log.info("pipetx: pipeline_length='auto': %s", why)
+        self.autopipe.restore_profile(self._restored_profile)
+        self._restored_profile = None
         return plan
 
     def _require_autopipe(self) -> AutoPipe:
@@ -546,6 +549,12 @@ class ElasticPipelineStrategy(DDPStrategy):
         engine = self._require_engine()
         return gather_optimizer_state(optimizer, self._split.blocks, engine.plan, self.global_rank, self.root_device)
 
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Lightning's, keeping the block costs the saving run measured for :meth:`setup` (which follows)."""
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        self._restored_profile = (checkpoint.get("pipetx") or {}).get("block_costs")
+        return checkpoint
+
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         super().load_optimizer_state_dict(checkpoint)
         # A consolidated checkpoint holds every block's state: keep this rank's blocks only.
@@ -556,7 +565,13 @@ class ElasticPipelineStrategy(DDPStrategy):
             raise TypeError("ElasticPipelineStrategy.save_checkpoint takes no storage_options")
         if self.is_global_zero:
             plan = self._require_engine().plan
-            checkpoint["pipetx"] = {"layout": str(plan.layout), "bounds": plan.bounds, "frozen_blocks": self._frozen}
+            autopipe = self._require_autopipe()
+            checkpoint["pipetx"] = {
+                "layout": str(plan.layout),
+                "bounds": plan.bounds,
+                "frozen_blocks": self._frozen,
+                "block_costs": autopipe.costs if autopipe.profiled else None,
+            }
             atomic_save(self.checkpoint_io, checkpoint, filepath)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
