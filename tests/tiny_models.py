@@ -569,6 +569,16 @@ class HitRates(pl.Callback):
         )
 
 
+class Layouts(pl.Callback):
+    """The strategy's layout at the start of every training epoch (``"2x1"``, ...)."""
+
+    def __init__(self):
+        self.layouts = []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.layouts.append(str(trainer.strategy.layout))
+
+
 def make_trainer(callbacks, max_epochs=3, **kwargs) -> pl.Trainer:
     """A quiet single-CPU Trainer (no logger, checkpoints, progress bar or sanity check)."""
     options = dict(

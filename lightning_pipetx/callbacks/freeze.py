@@ -9,19 +9,25 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 from lightning.pytorch.utilities.data import extract_batch_size
-from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import get_total_norm
 
 from lightning_pipetx.blocks import BlockSplit, find_blocks
+from lightning_pipetx.callbacks.freeze_context import (
+    agreed_block_path,
+    all_reduce_max,
+    all_reduce_mean,
+    loss_scale_left_in,
+    num_replicas,
+    ran_every_batch,
+    rewrap_ddp,
+)
 from lightning_pipetx.callbacks.freeze_guard import FreezeGuard
 from lightning_pipetx.callbacks.freeze_rule import FreezeDecision, decide
 from lightning_pipetx.pre_trace import PreTrace
 from lightning_pipetx.strategy.elastic_pipeline import ElasticPipelineStrategy
-from lightning_pipetx.strategy.loss_scaling import unscales_in_own_step
 
 log = logging.getLogger("lightning_pipetx")
 
@@ -130,7 +136,7 @@ class FreezeCallback(Callback):
                 f"cannot change requires_grad after wrapping. Use a single device, DDPStrategy or "
                 f"ElasticPipelineStrategy."
             )
-        self._split = find_blocks(pl_module, _agreed_block_path(self.blocks, trainer.strategy))
+        self._split = find_blocks(pl_module, agreed_block_path(self.blocks, trainer.strategy))
         self._add_pre_weights()
         num_blocks = self._split.num_blocks
         if num_blocks <= self.min_active_blocks:
@@ -198,7 +204,7 @@ class FreezeCallback(Callback):
         trace, self._trace = self._trace, None
         trace.stop()
         # A pipeline's first stage never runs the head: combine what every rank saw.
-        reads = _all_reduce_max(trace.reads.to(torch.float64)) if trace.names else trace.reads
+        reads = all_reduce_max(trace.reads.to(torch.float64)) if trace.names else trace.reads
         self._pre_weights = trace.pre_names(reads)
         self._add_pre_weights()
         if self._pre_weights and trainer.is_global_zero:
@@ -231,7 +237,7 @@ class FreezeCallback(Callback):
                 norms[index] = get_total_norm([g.detach().float() for g in grads]).to(torch.float64)
         if norms is None:
             return
-        scale = _loss_scale_left_in(trainer, optimizer, device)
+        scale = loss_scale_left_in(trainer, optimizer, device)
         if scale is not None:
             norms = norms / scale
         finite = torch.isfinite(norms).all()  # skip steps that overflowed (fp16 loss scaling)
@@ -252,7 +258,7 @@ class FreezeCallback(Callback):
         all ranks (a collective): under a pipeline each rank measures the blocks it runs only, and
         a rank counts only the steps in which its blocks had gradients."""
         self._collect_norms()
-        totals = _all_reduce_max(torch.cat([self._norm_sums, torch.tensor([float(self._norm_steps)])]))
+        totals = all_reduce_max(torch.cat([self._norm_sums, torch.tensor([float(self._norm_steps)])]))
         return totals[:-1], int(totals[-1])
 
     def _collect_norms(self) -> None:
@@ -269,7 +275,7 @@ class FreezeCallback(Callback):
         # The values agree on every rank; sync_dist only keeps Lightning from warning.
         pl_module.log("pipetx/frozen_blocks", float(self.frozen_blocks), on_step=False, on_epoch=True, sync_dist=True)
         if self._epoch_seconds > 0 and self._epoch_samples > 0:
-            samples = self._epoch_samples * _num_replicas(trainer)
+            samples = self._epoch_samples * num_replicas(trainer)
             throughput = samples / self._epoch_seconds
             pl_module.log("pipetx/samples_per_sec", throughput, on_step=False, on_epoch=True, sync_dist=True)
         cache_stats = getattr(trainer.strategy, "epoch_cache_stats", None)
@@ -280,7 +286,7 @@ class FreezeCallback(Callback):
             self._watch(trainer)
         self._validated = False
         stopped = self.guard is not None and self.guard.stopped
-        if self._decides_after(trainer.current_epoch) and not stopped and _ran_every_batch(trainer):
+        if self._decides_after(trainer.current_epoch) and not stopped and ran_every_batch(trainer):
             self._decide(trainer)
 
     def _decides_after(self, epoch: int) -> bool:
@@ -291,7 +297,7 @@ class FreezeCallback(Callback):
         """The guard: stop freezing, on every rank alike, once the monitored metric degraded. It
         judges the mean over the ranks (a collective): a metric logged without ``sync_dist``
         holds each replica's share of the validation set, whose number can change."""
-        value = float(_all_reduce_mean(torch.tensor([self.guard.read(trainer.callback_metrics)]))[0])
+        value = float(all_reduce_mean(torch.tensor([self.guard.read(trainer.callback_metrics)]))[0])
         if self.guard.judge(value):
             self.guard.stopped = True
             if trainer.is_global_zero:
@@ -349,7 +355,7 @@ class FreezeCallback(Callback):
         if callable(on_freeze):  # ElasticPipelineStrategy re-plans its layout
             on_freeze(trainer, self.frozen_blocks)
         elif isinstance(trainer.strategy, DDPStrategy):
-            _rewrap_ddp(trainer.strategy)
+            rewrap_ddp(trainer.strategy)
 
     def _set_prefix_eval(self) -> None:
         if self._split is not None:
@@ -382,73 +388,3 @@ class FreezeCallback(Callback):
         self._add_pre_weights()
         if self.guard is not None and state_dict.get("guard") is not None:
             self.guard.load_state_dict(state_dict["guard"])
-
-
-def _loss_scale_left_in(
-    trainer: pl.Trainer, optimizer: torch.optim.Optimizer, device: torch.device
-) -> torch.Tensor | None:
-    """The loss scale the gradients still carry in ``on_before_optimizer_step``, on ``device``
-    (no host read), or None. Lightning unscales them before the hook, except for an optimizer
-    that unscales inside its own step (a fused AdamW under ``precision="16-mixed"``)."""
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    if scaler is None or not scaler.is_enabled():
-        return None
-    if not unscales_in_own_step(optimizer):
-        return None
-    return scaler.scale(torch.ones((), device=device)).to(torch.float64)
-
-
-def _ran_every_batch(trainer: pl.Trainer) -> bool:
-    """Whether the training epoch that ends ran all its batches: one that ``max_steps`` or a stop
-    cut short is decided when a resumed run completes it, as an uninterrupted run decides it."""
-    progress = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "batch_progress", None)
-    if progress is None:  # a Lightning without it: decide, as before
-        return True
-    return progress.is_last_batch or progress.current.ready >= trainer.num_training_batches
-
-
-def _num_replicas(trainer: pl.Trainer) -> int:
-    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
-    return int(kwargs.get("num_replicas", 1))
-
-
-def _all_reduce(values: torch.Tensor, op: Any) -> torch.Tensor:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-        buffer = values.to(device=device or values.device, dtype=torch.float64)
-        dist.all_reduce(buffer, op=op)
-        return buffer.to(values.device, torch.float64)
-    return values.to(torch.float64)
-
-
-def _all_reduce_max(values: torch.Tensor) -> torch.Tensor:
-    """The maximum over the ranks of what each saw (the norms of the blocks it trains, zeros
-    elsewhere; the weights the first step read)."""
-    return _all_reduce(values, dist.ReduceOp.MAX)
-
-
-def _all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
-    """The mean over the ranks (every stage holds its replica's logged values: the mean over
-    the ranks is the mean over the replicas)."""
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    return _all_reduce(values, dist.ReduceOp.SUM) / world
-
-
-def _agreed_block_path(own: str | None, strategy: Any) -> str | None:
-    """The block list to freeze: the one given to this callback or to ElasticPipelineStrategy
-    (both, if given, must name the same); None: found automatically, as the strategy finds it."""
-    pipelined = strategy.blocks if isinstance(strategy, ElasticPipelineStrategy) else None
-    if own is not None and pipelined is not None and own != pipelined:
-        raise ValueError(
-            f"FreezeCallback(blocks={own!r}) and ElasticPipelineStrategy(blocks={pipelined!r}) name different "
-            f"block lists: the strategy pipelines the blocks that freeze. Pass the same path to both, or to one."
-        )
-    return own if own is not None else pipelined
-
-
-def _rewrap_ddp(strategy: DDPStrategy) -> None:
-    """DDP fixes its set of trainable parameters when it wraps the module: wrap again."""
-    if not isinstance(strategy.model, DistributedDataParallel):
-        return
-    strategy.model = strategy.lightning_module
-    strategy.configure_ddp()

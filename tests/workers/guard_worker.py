@@ -12,8 +12,7 @@ import os
 import sys
 
 import torch
-from lightning.pytorch.callbacks import Callback
-from tiny_models import RandomVectorDataset, TinySequentialRegressor, make_loader, make_trainer
+from tiny_models import Layouts, RandomVectorDataset, TinySequentialRegressor, make_loader, make_trainer
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 
@@ -22,14 +21,6 @@ class ParityRegressor(TinySequentialRegressor):
     def validation_step(self, batch, batch_idx):
         x, y = batch
         self.log("val_parity", y[:, 0].mean(), batch_size=len(y))  # no sync_dist: each replica's own
-
-
-class Layouts(Callback):
-    def __init__(self):
-        self.layouts = []
-
-    def on_train_epoch_start(self, trainer, pl_module):
-        self.layouts.append(str(trainer.strategy.layout))
 
 
 def main():

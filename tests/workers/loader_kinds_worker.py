@@ -11,8 +11,7 @@ import json
 import os
 import sys
 
-from lightning.pytorch.callbacks import Callback
-from tiny_models import RandomVectorDataset, TinySequentialRegressor, make_trainer
+from tiny_models import Layouts, RandomVectorDataset, TinySequentialRegressor, make_trainer
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
@@ -30,14 +29,6 @@ class Stream(IterableDataset):
 
 class InOrder(BatchSampler):
     """A batch sampler of the user's (Lightning gives it a distributed sampler by its arguments)."""
-
-
-class Layouts(Callback):
-    def __init__(self):
-        self.layouts = []
-
-    def on_train_epoch_start(self, trainer, pl_module):
-        self.layouts.append(str(trainer.strategy.layout))
 
 
 def main():
