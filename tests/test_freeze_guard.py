@@ -13,11 +13,12 @@ from lightning_pipetx.callbacks.freeze_guard import FreezeGuard
 
 def test_the_guard_trips_once_the_metric_is_worse_than_its_best_by_more_than_the_tolerance():
     guard = FreezeGuard("val_acc", mode="max", tolerance=0.02)
-    assert [guard.observe({"val_acc": v}) for v in (0.80, 0.90, 0.89, 0.87)] == [False, False, False, True]
+    assert [guard.judge(v) for v in (0.80, 0.90, 0.89, 0.87)] == [False, False, False, True]
     assert guard.best == pytest.approx(0.90)
     loss = FreezeGuard("val_loss", mode="min")
-    assert [loss.observe({"val_loss": torch.tensor(v)}) for v in (1.0, 0.5, 0.5, 0.6)] == [False, False, False, True]
-    assert FreezeGuard("val_acc").observe({"val_acc": float("nan")})
+    values = [loss.read({"val_loss": torch.tensor(v)}) for v in (1.0, 0.5, 0.5, 0.6)]
+    assert [loss.judge(v) for v in values] == [False, False, False, True]
+    assert FreezeGuard("val_acc").judge(float("nan"))
 
 
 def test_bad_guard_settings_and_a_missing_metric_are_refused():
@@ -26,7 +27,7 @@ def test_bad_guard_settings_and_a_missing_metric_are_refused():
     with pytest.raises(ValueError, match="tolerance"):
         FreezeGuard("val_acc", tolerance=-1)
     with pytest.raises(ValueError, match=r"no such metric was logged \(logged: \['val_loss'\]\)"):
-        FreezeGuard("val_acc").observe({"val_loss": 1.0})
+        FreezeGuard("val_acc").read({"val_loss": 1.0})
 
 
 class ScriptedAccuracy(tm.TinySequentialRegressor):

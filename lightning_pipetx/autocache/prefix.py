@@ -9,10 +9,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from lightning_pipetx.autocache.cache import AutoCache
 from lightning_pipetx.strategy.fingerprint import hidden_state_fingerprints, sample_fingerprints
+from lightning_pipetx.strategy.microbatch import _tensors
 from lightning_pipetx.strategy.p2p import Activation
 from lightning_pipetx.strategy.stage_hooks import StageExit, StageHooks
 
@@ -114,4 +114,4 @@ class CachedPrefix:
 
 def _sample_shapes(batch: Any) -> list[tuple[int, ...]]:
     """The shape of one sample in each tensor of ``batch`` (the batch dimension left out)."""
-    return [tuple(t.shape[1:]) for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return [tuple(t.shape[1:]) for t in _tensors(batch) if t.dim() > 0]

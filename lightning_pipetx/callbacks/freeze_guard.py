@@ -46,10 +46,6 @@ class FreezeGuard:
             self.best = value
         return sign * (self.best - value) > self.tolerance
 
-    def observe(self, metrics: Mapping[str, Any]) -> bool:
-        """:meth:`judge` the monitored value among ``metrics``."""
-        return self.judge(self.read(metrics))
-
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "stopped": self.stopped}
 
