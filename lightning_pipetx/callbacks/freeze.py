@@ -19,6 +19,7 @@ from lightning_pipetx.callbacks.freeze_context import (
     agreed_block_path,
     all_reduce_max,
     all_reduce_mean,
+    all_reduce_min,
     loss_scale_left_in,
     num_replicas,
     ran_every_batch,
@@ -107,7 +108,9 @@ class FreezeCallback(Callback):
         self.last_decision: FreezeDecision | None = None
         self._norm_sums: torch.Tensor | None = None
         self._norm_steps = 0
-        self._device_norms: torch.Tensor | None = None  # [sums per block..., steps], on the device
+        # one row per optimizer step not yet agreed on: [norm per block..., all finite, any gradient]
+        self._step_rows: list[torch.Tensor] = []  # on the device
+        self._host_rows: list[torch.Tensor] = []  # read to the host at an epoch's end
         self._split: BlockSplit | None = None
         self._pre_weights: list[str] | None = None  # found by the first training step's trace
         self._trace: PreTrace | None = None
@@ -146,7 +149,7 @@ class FreezeCallback(Callback):
             )
         if self._norm_sums is None or self._norm_sums.numel() != num_blocks:
             self._norm_sums = torch.zeros(num_blocks, dtype=torch.float64)
-            self._device_norms = None
+            self._step_rows, self._host_rows = [], []
 
     def _add_pre_weights(self) -> None:
         if self._split is None or not self._pre_weights:
@@ -225,24 +228,20 @@ class FreezeCallback(Callback):
     ) -> None:
         if not self._measures_gradients():
             return
-        # Summed where the gradients live, without a host read per step (see _collect_norms).
-        norms, device = None, None
+        # Kept where the gradients live, without a host read per step (see _collect_norms). Every
+        # rank records every step, with or without gradients of its own: the ranks agree on them later.
+        norms = torch.zeros(len(self._norm_sums), dtype=torch.float64, device=pl_module.device)
+        measured = False
         for index in range(self.frozen_blocks, self.split.num_blocks):
             grads = [p.grad for p in self.split.block_parameters(index) if p.grad is not None]
-            if grads:
-                if norms is None:
-                    device = grads[0].device
-                    norms = torch.zeros(len(self._norm_sums), dtype=torch.float64, device=device)
-                # one multi-tensor kernel per block on a GPU, not one per parameter
-                norms[index] = get_total_norm([g.detach().float() for g in grads]).to(torch.float64)
-        if norms is None:
-            return
-        scale = loss_scale_left_in(trainer, optimizer, device)
+            if grads:  # one multi-tensor kernel per block on a GPU, not one per parameter
+                norms[index] = get_total_norm([g.detach().float() for g in grads]).to(norms)
+                measured = True
+        scale = loss_scale_left_in(trainer, optimizer, norms.device)
         if scale is not None:
             norms = norms / scale
-        finite = torch.isfinite(norms).all()  # skip steps that overflowed (fp16 loss scaling)
-        step = torch.cat([torch.where(finite, norms, 0.0), finite.to(torch.float64)[None]])
-        self._device_norms = step if self._device_norms is None else self._device_norms.to(device) + step
+        finite = torch.isfinite(norms).all().to(torch.float64)  # fp16 loss scaling skips overflowed steps
+        self._step_rows.append(torch.cat([norms, finite[None], norms.new_tensor([float(measured)])]))
 
     def _measures_gradients(self) -> bool:
         """Whether decisions use gradient norms (measured each step, read at a decision): not at
@@ -255,19 +254,36 @@ class FreezeCallback(Callback):
 
     def _interval_norms(self) -> tuple[torch.Tensor, int]:
         """The gradient-norm sums per block and the steps they cover since the last decision, over
-        all ranks (a collective): under a pipeline each rank measures the blocks it runs only, and
-        a rank counts only the steps in which its blocks had gradients."""
-        self._collect_norms()
+        all ranks (collectives): under a pipeline each rank measures the blocks it runs only. A
+        step counts where some rank had gradients and none overflowed, as it counts in one process."""
+        self._agree_on_steps()
         totals = all_reduce_max(torch.cat([self._norm_sums, torch.tensor([float(self._norm_steps)])]))
         return totals[:-1], int(totals[-1])
 
     def _collect_norms(self) -> None:
-        """Move the gradient norms summed on the device into the host totals (one read)."""
-        if self._device_norms is not None:
-            totals = self._device_norms.cpu()
-            self._norm_sums += totals[:-1]
-            self._norm_steps += int(totals[-1])
-            self._device_norms = None
+        """Move the steps' rows from the device to the host (one read)."""
+        if self._step_rows:
+            self._host_rows.append(torch.stack(self._step_rows).cpu())
+            self._step_rows = []
+
+    def _agree_on_steps(self) -> None:
+        """Add the recorded steps that some rank measured and none saw overflow into the host totals (collectives)."""
+        self._collect_norms()
+        rows = torch.cat(self._host_rows) if self._host_rows else torch.zeros(0, len(self._norm_sums) + 2)
+        self._host_rows = []
+        counts = all_reduce_max(torch.tensor([float(len(rows)), -float(len(rows))]))
+        if counts[0] != -counts[1]:
+            raise RuntimeError(
+                f"FreezeCallback: the ranks measured different numbers of optimizer steps "
+                f"({int(-counts[1])} to {int(counts[0])}); every rank must step its optimizer at every batch."
+            )
+        if len(rows) == 0:
+            return
+        # one collective: the minimum over the ranks of (finite, -measured) is (finite everywhere, -measured anywhere)
+        agreed = all_reduce_min(rows[:, -2:] * torch.tensor([1.0, -1.0]))
+        counted = (agreed[:, 0] > 0) & (agreed[:, 1] < 0)
+        self._norm_sums += torch.where(counted[:, None], rows[:, :-2], 0.0).sum(0)
+        self._norm_steps += int(counted.sum())
 
     # ---------------------------------------------------------------- decision
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -382,7 +398,7 @@ class FreezeCallback(Callback):
         self.decisions = int(state_dict["decisions"])
         sums = state_dict.get("norm_sums")
         self._norm_sums = None if sums is None else torch.tensor(sums, dtype=torch.float64)
-        self._device_norms = None
+        self._step_rows, self._host_rows = [], []
         self._norm_steps = int(state_dict.get("norm_steps", 0))
         self._pre_weights = state_dict.get("pre_weights")
         self._add_pre_weights()

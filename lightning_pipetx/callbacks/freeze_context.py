@@ -58,6 +58,11 @@ def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
     return _all_reduce(values, dist.ReduceOp.MAX)
 
 
+def all_reduce_min(values: torch.Tensor) -> torch.Tensor:
+    """The minimum over the ranks (a step's "no overflow" flags: one rank's overflow is everyone's)."""
+    return _all_reduce(values, dist.ReduceOp.MIN)
+
+
 def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
     """The mean over the ranks (every stage holds its replica's logged values: the mean over
     the ranks is the mean over the replicas)."""

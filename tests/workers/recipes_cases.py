@@ -117,8 +117,11 @@ def train_loader(batch_size: int, sampler=None, task: str = "bert") -> DataLoade
 
 
 def fp16_reference(optimizer: str = "adamw") -> dict[str, torch.Tensor]:
-    """The fp16 run in one process, on the same global batches."""
+    """The fp16 run in one process, on the same global batches, with FreezeCallback's gradient norms."""
+    from lightning_pipetx import FreezeCallback
+
     module = fp16_module(optimizer)
+    freeze = FreezeCallback()
     dataset = TASKS["bert"].dataset(size=32, seed=1)
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
     trainer = pl.Trainer(
@@ -126,6 +129,7 @@ def fp16_reference(optimizer: str = "adamw") -> dict[str, torch.Tensor]:
         devices=1,
         max_steps=STEPS,
         plugins=[fp16_plugin()],
+        callbacks=[freeze],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -133,4 +137,5 @@ def fp16_reference(optimizer: str = "adamw") -> dict[str, torch.Tensor]:
         num_sanity_val_steps=0,
     )
     trainer.fit(module, train_loader(GLOBAL_BATCH, sampler))
-    return {"state": module.state_dict(), "scale": trainer.precision_plugin.scaler.get_scale()}
+    scale = trainer.precision_plugin.scaler.get_scale()
+    return {"state": module.state_dict(), "scale": scale, "freeze": freeze.state_dict()}

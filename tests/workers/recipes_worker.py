@@ -30,7 +30,7 @@ from recipes_cases import (
     train_loader,
 )
 
-from lightning_pipetx import ElasticPipelineStrategy
+from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 
 
 class SummaryAtFitStart(Callback):
@@ -51,6 +51,7 @@ def main() -> None:
         "scheduled": scheduled_module,
     }.get(mode, hook_counting_module)()
     summary = SummaryAtFitStart()
+    freeze = FreezeCallback() if mode.startswith("fp16") else None  # measures gradient norms per step
     length = 1 if mode == "fp16_fused_replicas" else 2
     # The refused outputs are refused on the first stage only (the last one waits for its hidden
     # state): the ranks agree on the failure within a third of this timeout.
@@ -63,7 +64,7 @@ def main() -> None:
         use_distributed_sampler=mode != "own_sampler",
         max_steps=-1 if mode == "scheduled" else STEPS,
         max_epochs=2 if mode == "scheduled" else None,
-        callbacks=[summary] + ([EMAWeightAveraging(decay=0.9)] if mode == "ema" else []),
+        callbacks=[summary] + ([EMAWeightAveraging(decay=0.9)] if mode == "ema" else []) + ([freeze] if freeze else []),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -84,6 +85,8 @@ def main() -> None:
         report["global_step"] = trainer.global_step
     else:
         report["scale"] = trainer.precision_plugin.scaler.get_scale()
+    if freeze is not None:
+        report["freeze"] = freeze.state_dict()  # a collective: every rank calls it
     with open(os.path.join(out_dir, f"{mode}_rank{rank}.json"), "w") as f:
         json.dump(report, f)
     if rank == 0:
