@@ -241,7 +241,7 @@ class FreezeCallback(Callback):
         if scale is not None:
             norms = norms / scale
         finite = torch.isfinite(norms).all().to(torch.float64)  # fp16 loss scaling skips overflowed steps
-        self._step_rows.append(torch.cat([norms, finite[None], norms.new_tensor([float(measured)])]))
+        self._step_rows.append(torch.cat([norms, finite[None], norms.new_full((1,), float(measured))]))
 
     def _measures_gradients(self) -> bool:
         """Whether decisions use gradient norms (measured each step, read at a decision): not at
