@@ -2,6 +2,7 @@
 guard's deferred verdict, and a tier dropped when reading it was measured slower than computing."""
 
 import lightning.pytorch as pl
+import pytest
 import tiny_models as tm
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -9,6 +10,7 @@ from torch.utils.data import DataLoader
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 from lightning_pipetx.autocache import AutoCache, CacheControl, CacheFeed, CacheSite
+from lightning_pipetx.autocache.tiers import SharedFileMismatchError
 from lightning_pipetx.strategy.p2p import Activation
 
 ROW_BYTES = tm.SEQ_LEN * tm.HIDDEN * 4  # one sample's hidden state, float32
@@ -59,6 +61,46 @@ def test_a_depth_spills_to_disk_beyond_the_ram_budget_and_refills_ram_once_older
     cache.lookup(indices, 4)
     assert dict(cache.take_counts().served) == {"device": 0, "host": 4, "disk": 0}
     cache.close(remove_files=True)
+
+
+def _node_caches(tmp_path):
+    """Two first stages of one node: their host tiers share the files of one folder."""
+    return [_checked(AutoCache(tmp_path / "ram", tmp_path / "spill", 4, 2**20, device_budget=0), 4) for _ in range(2)]
+
+
+def test_a_rank_adopts_a_depth_another_rank_of_its_node_cached(tmp_path):
+    first, second = _node_caches(tmp_path)
+    first.store(torch.arange(4), 1, _states(7, 4))
+    first.flush_writes()
+    second.begin_epoch(group_size=1)  # adopts depth 1 from the shared file
+    level, states, _ = second.lookup(torch.arange(4), 1)
+    assert level == 1 and torch.equal(states, torch.full((4, 3, 2), 7.0))
+    first.close(remove_files=True)
+
+
+@pytest.mark.parametrize("damage", ["removed", "truncated"])
+def test_a_shared_depth_file_removed_or_of_another_size_is_passed_over_and_left_as_it_is(tmp_path, damage):
+    first, second = _node_caches(tmp_path)
+    first.store(torch.arange(4), 1, _states(7, 4))
+    first.flush_writes()
+    valid = tmp_path / "ram" / "depth1.valid"  # the last file a rank maps: it went while the others stayed
+    if damage == "removed":
+        valid.unlink()
+    else:
+        valid.write_bytes(b"\x01" * 3)
+    second.begin_epoch(group_size=1)
+    assert second.lookup(torch.arange(4), 1)[1] is None
+    assert valid.exists() == (damage == "truncated")  # neither created again nor extended
+    assert damage == "removed" or valid.stat().st_size == 3
+    first.close(remove_files=True)
+
+
+def test_two_ranks_of_a_node_putting_different_states_in_one_depth_file_is_an_error(tmp_path):
+    first, second = _node_caches(tmp_path)
+    first.store(torch.arange(4), 1, _states(7, 4))
+    with pytest.raises(SharedFileMismatchError, match=r"shape \(3, 2\) and torch.float32 per sample.*\(5,\)"):
+        second.store(torch.arange(4), 1, Activation.of_hidden(torch.zeros(4, 5), 0))
+    first.close(remove_files=True)
 
 
 def test_nothing_is_served_before_an_input_check_passed_and_a_changed_input_switches_it_off(tmp_path, caplog):

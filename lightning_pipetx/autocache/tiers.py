@@ -28,15 +28,18 @@ def nbytes_of(rows: int, shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return rows * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
-def shared_tensor(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def shared_tensor(path: Path, shape: tuple[int, ...], dtype: torch.dtype, create: bool = True) -> torch.Tensor:
     """A tensor backed by ``path``, shared with every process that maps the same file.
 
     The file's blocks are reserved first (``posix_fallocate``): a full file system (a 64 MB
     ``/dev/shm`` in a container) raises ``OSError`` here instead of a SIGBUS on a later write.
+    ``create=False`` maps an existing file of exactly this size, or raises ``OSError``.
     """
     nbytes = nbytes_of(1, shape, dtype)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
     try:
+        if not create and os.fstat(fd).st_size != nbytes:
+            raise OSError(f"{path} holds {os.fstat(fd).st_size} bytes, not the {nbytes} described")
         if nbytes:
             os.posix_fallocate(fd, 0, nbytes)
     finally:
@@ -48,6 +51,10 @@ def free_bytes(folder: Path) -> int:
     """Bytes the file system of ``folder`` still has for an unprivileged writer."""
     stats = os.statvfs(folder)
     return stats.f_bavail * stats.f_frsize
+
+
+class SharedFileMismatchError(RuntimeError):
+    """Two ranks of a node would keep different states in one shared depth file."""
 
 
 class Tier:
@@ -114,16 +121,32 @@ class FileTier(Tier):
     """Every sample's state in a file of ``folder``, shared by the ranks of the node."""
 
     def __init__(
-        self, name: str, folder: Path, depth: int, num_samples: int, shape: tuple[int, ...], dtype: torch.dtype
+        self,
+        name: str,
+        folder: Path,
+        depth: int,
+        num_samples: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        adopt: bool = False,
     ) -> None:
+        """``adopt``: map the files another rank of the node made, never creating or removing them."""
         self.name = name
         # the states, which of them are valid, and what the file holds (for ranks that open it later)
         self.paths = (folder / f"depth{depth}", folder / f"depth{depth}.valid", folder / f"depth{depth}.json")
+        described = self.description(self.paths[2])
+        if described is not None and described[:2] != (tuple(shape), dtype):
+            raise SharedFileMismatchError(
+                f"AutoCache: {self.paths[0]} holds states of shape {described[0]} and {described[1]} per sample, "
+                f"another rank of this node would put {tuple(shape)} and {dtype} there: the first stages of a node "
+                f"must cache the same model and inputs."
+            )
         try:
-            self.data = shared_tensor(self.paths[0], (num_samples, *shape), dtype)
-            self.valid = shared_tensor(self.paths[1], (num_samples,), torch.uint8)
+            self.data = shared_tensor(self.paths[0], (num_samples, *shape), dtype, create=not adopt)
+            self.valid = shared_tensor(self.paths[1], (num_samples,), torch.uint8, create=not adopt)
         except OSError:
-            self.unlink()
+            if not adopt:
+                self.unlink()
             raise
 
     def holds(self, indices: torch.Tensor) -> torch.Tensor:
@@ -153,21 +176,33 @@ class FileTier(Tier):
         except OSError:  # a full file system: the other ranks compute this depth instead of reading it
             partial.unlink(missing_ok=True)
 
+    @staticmethod
+    def description(path: Path) -> tuple[tuple[int, ...], torch.dtype, int] | None:
+        """What a description file says its depth's file holds: (shape per sample, dtype, tuple
+        length); None where there is none yet, or it cannot be read."""
+        try:
+            about = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return tuple(about["shape"]), getattr(torch, about["dtype"]), about["tuple_len"]
+
     @classmethod
     def described(
         cls, name: str, folder: Path, num_samples: int, skip: Collection[int]
     ) -> Iterator[tuple[int, FileTier, int]]:
-        """The depths (not in ``skip``) whose file in ``folder`` another rank described: (depth, tier, tuple length)."""
+        """The depths (not in ``skip``) whose file in ``folder`` another rank described: (depth, tier, tuple length).
+        A file removed meanwhile (its depth dropped) is passed over."""
         for path in sorted(folder.glob("depth*.json")):
             depth = int(path.name.removeprefix("depth").removesuffix(".json"))
-            if depth in skip or not path.with_suffix("").exists():
+            about = None if depth in skip else cls.description(path)
+            if about is None:
                 continue
+            shape, dtype, tuple_len = about
             try:
-                about = json.loads(path.read_text())
-            except (OSError, ValueError):
+                tier = cls(name, folder, depth, num_samples, shape, dtype, adopt=True)
+            except OSError:
                 continue
-            shape, dtype = tuple(about["shape"]), getattr(torch, about["dtype"])
-            yield depth, cls(name, folder, depth, num_samples, shape, dtype), about["tuple_len"]
+            yield depth, tier, tuple_len
 
     def unlink(self) -> None:
         """Remove the files; pages another rank still maps stay valid until it drops them."""
