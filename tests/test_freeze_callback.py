@@ -19,6 +19,7 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 
 from lightning_pipetx import BlockListNotFoundError, FreezeCallback
+from lightning_pipetx.callbacks import freeze as freeze_module
 
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -366,6 +367,27 @@ def test_warmup_epochs_delays_the_first_decision(warmup_epochs, freeze_interval,
     assert probe.frozen_at_start == frozen_at_start
     assert probe.decisions_at_start[warmup_epochs + freeze_interval - 1] == 0
     assert probe.decisions_at_start[warmup_epochs + freeze_interval] == 1
+
+
+class PendingRows(Callback):
+    """How many steps' gradient norms wait on the device after each batch."""
+
+    def __init__(self, fc):
+        self.fc, self.seen = fc, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append(len(self.fc._step_rows))
+
+
+def test_gradient_norms_wait_on_the_device_for_a_bounded_number_of_steps(monkeypatch):
+    # The ranks agree on the recorded steps at each epoch's end and, within a long epoch, once
+    # that many have waited: here every 3 steps of 4-step epochs. The sums stay those of every step.
+    monkeypatch.setattr(freeze_module, "_ROWS_AGREED_AT_ONCE", 3)
+    fc = FreezeCallback(alpha=0.25, freeze_interval=2)
+    grad_probe, pending = GradNormProbe(fc, alpha=0.25, interval=2), PendingRows(fc)
+    make_trainer([grad_probe, fc, pending], max_epochs=5).fit(seq_module(), seq_loader())
+    assert grad_probe.checked_epochs == [0, 1, 2, 3, 4] and grad_probe.actual == grad_probe.predicted
+    assert max(pending.seen) == 2 and pending.seen[:4] == [1, 2, 0, 1]
 
 
 def test_freeze_interval_accumulates_gradient_norms_over_the_interval():

@@ -32,6 +32,8 @@ from lightning_pipetx.strategy.elastic_pipeline import ElasticPipelineStrategy
 
 log = logging.getLogger("lightning_pipetx")
 
+_ROWS_AGREED_AT_ONCE = 1024  # at most this many steps' gradient norms wait on the device for the ranks' agreement
+
 _SIGNALS = ("grad_norm", "schedule")
 
 
@@ -108,9 +110,8 @@ class FreezeCallback(Callback):
         self.last_decision: FreezeDecision | None = None
         self._norm_sums: torch.Tensor | None = None
         self._norm_steps = 0
-        # one row per optimizer step not yet agreed on: [norm per block..., all finite, any gradient]
-        self._step_rows: list[torch.Tensor] = []  # on the device
-        self._host_rows: list[torch.Tensor] = []  # read to the host at an epoch's end
+        # one row per optimizer step not yet agreed on, on the device: [norm per block..., finite, measured]
+        self._step_rows: list[torch.Tensor] = []
         self._split: BlockSplit | None = None
         self._pre_weights: list[str] | None = None  # found by the first training step's trace
         self._trace: PreTrace | None = None
@@ -149,7 +150,7 @@ class FreezeCallback(Callback):
             )
         if self._norm_sums is None or self._norm_sums.numel() != num_blocks:
             self._norm_sums = torch.zeros(num_blocks, dtype=torch.float64)
-            self._step_rows, self._host_rows = [], []
+            self._step_rows = []
 
     def _add_pre_weights(self) -> None:
         if self._split is None or not self._pre_weights:
@@ -228,8 +229,8 @@ class FreezeCallback(Callback):
     ) -> None:
         if not self._measures_gradients():
             return
-        # Kept where the gradients live, without a host read per step (see _collect_norms). Every
-        # rank records every step, with or without gradients of its own: the ranks agree on them later.
+        # Kept where the gradients live, without a host read per step. Every rank records every
+        # step, with or without gradients of its own: the ranks agree on them at the epoch's end.
         norms = torch.zeros(len(self._norm_sums), dtype=torch.float64, device=pl_module.device)
         measured = False
         for index in range(self.frozen_blocks, self.split.num_blocks):
@@ -242,6 +243,8 @@ class FreezeCallback(Callback):
             norms = norms / scale
         finite = torch.isfinite(norms).all().to(torch.float64)  # fp16 loss scaling skips overflowed steps
         self._step_rows.append(torch.cat([norms, finite[None], norms.new_full((1,), float(measured))]))
+        if len(self._step_rows) >= _ROWS_AGREED_AT_ONCE:  # on every rank at once: the same steps
+            self._agree_on_steps()
 
     def _measures_gradients(self) -> bool:
         """Whether decisions use gradient norms (measured each step, read at a decision): not at
@@ -260,17 +263,12 @@ class FreezeCallback(Callback):
         totals = all_reduce_max(torch.cat([self._norm_sums, torch.tensor([float(self._norm_steps)])]))
         return totals[:-1], int(totals[-1])
 
-    def _collect_norms(self) -> None:
-        """Move the steps' rows from the device to the host (one read)."""
-        if self._step_rows:
-            self._host_rows.append(torch.stack(self._step_rows).cpu())
-            self._step_rows = []
-
     def _agree_on_steps(self) -> None:
-        """Add the recorded steps that some rank measured and none saw overflow into the host totals (collectives)."""
-        self._collect_norms()
-        rows = torch.cat(self._host_rows) if self._host_rows else torch.zeros(0, len(self._norm_sums) + 2)
-        self._host_rows = []
+        """Add the recorded steps that some rank measured and none saw overflow into the host totals
+        (one read of the device, collectives)."""
+        width = len(self._norm_sums) + 2
+        rows = torch.stack(self._step_rows).cpu() if self._step_rows else torch.zeros(0, width, dtype=torch.float64)
+        self._step_rows = []
         counts = all_reduce_max(torch.tensor([float(len(rows)), -float(len(rows))]))
         if counts[0] != -counts[1]:
             raise RuntimeError(
@@ -287,7 +285,7 @@ class FreezeCallback(Callback):
 
     # ---------------------------------------------------------------- decision
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._collect_norms()
+        self._agree_on_steps()
         # The values agree on every rank; sync_dist only keeps Lightning from warning.
         pl_module.log("pipetx/frozen_blocks", float(self.frozen_blocks), on_step=False, on_epoch=True, sync_dist=True)
         if self._epoch_seconds > 0 and self._epoch_samples > 0:
@@ -398,7 +396,7 @@ class FreezeCallback(Callback):
         self.decisions = int(state_dict["decisions"])
         sums = state_dict.get("norm_sums")
         self._norm_sums = None if sums is None else torch.tensor(sums, dtype=torch.float64)
-        self._step_rows, self._host_rows = [], []
+        self._step_rows = []
         self._norm_steps = int(state_dict.get("norm_steps", 0))
         self._pre_weights = state_dict.get("pre_weights")
         self._add_pre_weights()
