@@ -27,7 +27,15 @@ import torch.distributed as dist
 
 from lightning_pipetx.autocache.guards import CHANGED_INPUT, CHANGED_PREFIX_INPUT, InputGuard
 from lightning_pipetx.autocache.stopwatch import Stopwatch
-from lightning_pipetx.autocache.tiers import TIER_NAMES, DeviceTier, FileTier, Tier, free_bytes, nbytes_of
+from lightning_pipetx.autocache.tiers import (
+    TIER_NAMES,
+    DeviceTier,
+    FileTier,
+    SharedFileMismatchError,
+    Tier,
+    free_bytes,
+    nbytes_of,
+)
 from lightning_pipetx.strategy.p2p import Activation
 
 log = logging.getLogger("lightning_pipetx")
@@ -274,7 +282,14 @@ class AutoCache:
             )
             return
         shape = tuple(hidden.shape[1:])
-        entry = self._depths.get(depth) or self._open(depth, shape, hidden.dtype, tuple_len)
+        try:
+            entry = self._depths.get(depth) or self._open(depth, shape, hidden.dtype, tuple_len)
+        except SharedFileMismatchError as mismatch:
+            self.disable(
+                f"{mismatch}: dynamic padding, or first stages that differ. Pad every batch to one length to use "
+                f"the cache, or pass cache=False."
+            )
+            return
         if entry.shape != shape:
             self.disable(
                 f"hidden states of shape {shape} and {entry.shape} at one depth: dynamic padding. Pad every batch "
@@ -321,11 +336,8 @@ class AutoCache:
         if rows > 0:
             tiers.append(DeviceTier(self.num_samples, rows, shape, dtype, self.device))
         if (rows < self.num_samples or self.share_host) and "disk" not in self.dropped:
-            tiers.append(self._file_tier(depth, shape, dtype))
+            tiers.append(self._file_tier(depth, shape, dtype, tuple_len))
         self._depths[depth] = entry = _Depth(tiers, tuple_len, shape, dtype)
-        for tier in tiers:
-            if isinstance(tier, FileTier):
-                tier.describe(tuple_len)
         return entry
 
     def _adopt_shared_depths(self) -> None:
@@ -346,14 +358,14 @@ class AutoCache:
         budget -= self.tier_bytes("device")
         return max(0, min(self.num_samples, budget // max(1, nbytes_of(1, shape, dtype))))
 
-    def _file_tier(self, depth: int, shape: tuple[int, ...], dtype: torch.dtype) -> FileTier:
+    def _file_tier(self, depth: int, shape: tuple[int, ...], dtype: torch.dtype, tuple_len: int) -> FileTier:
         nbytes = nbytes_of(self.num_samples, shape, dtype)
         # Another rank of the node may have placed this depth in RAM already: share its file.
         room = min(self.ram_budget, self.tier_bytes("host") + free_bytes(self.directory))
         fits = (self.directory / f"depth{depth}").exists() or self.tier_bytes("host") + nbytes <= room
         if fits and "host" not in self.dropped:
             try:
-                return FileTier("host", self.directory, depth, self.num_samples, shape, dtype)
+                return FileTier("host", self.directory, depth, self.num_samples, shape, dtype, tuple_len)
             except OSError as error:  # the RAM file system is full (or smaller than it said)
                 log.info(
                     "pipetx: AutoCache: %s has no room for depth %d (%.1f MiB: %s); it goes to %s",
@@ -363,7 +375,7 @@ class AutoCache:
                     error.strerror,
                     self.spill_directory,
                 )
-        return FileTier("disk", self.spill_directory, depth, self.num_samples, shape, dtype)
+        return FileTier("disk", self.spill_directory, depth, self.num_samples, shape, dtype, tuple_len)
 
     def drop_below(self, depth: int) -> None:
         """Free the depths below ``depth`` except the deepest of them (incremental input),

@@ -42,9 +42,12 @@ def shared_tensor(path: Path, shape: tuple[int, ...], dtype: torch.dtype, create
             raise OSError(f"{path} holds {os.fstat(fd).st_size} bytes, not the {nbytes} described")
         if nbytes:
             os.posix_fallocate(fd, 0, nbytes)
+        # mapped through the open descriptor where the system allows: the file checked above,
+        # even if another rank removed its name meanwhile
+        mapped = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(path)
+        return torch.from_file(mapped, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
     finally:
         os.close(fd)
-    return torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype).view(shape)
 
 
 def free_bytes(folder: Path) -> int:
@@ -128,19 +131,17 @@ class FileTier(Tier):
         num_samples: int,
         shape: tuple[int, ...],
         dtype: torch.dtype,
-        adopt: bool = False,
+        tuple_len: int | None = None,
     ) -> None:
-        """``adopt``: map the files another rank of the node made, never creating or removing them."""
+        """``tuple_len`` None: adopt the files another rank of the node made and described, never
+        creating, extending or removing them. Otherwise make them, or share them where another rank
+        described the same states (else :class:`SharedFileMismatchError`)."""
         self.name = name
         # the states, which of them are valid, and what the file holds (for ranks that open it later)
         self.paths = (folder / f"depth{depth}", folder / f"depth{depth}.valid", folder / f"depth{depth}.json")
-        described = self.description(self.paths[2])
-        if described is not None and described[:2] != (tuple(shape), dtype):
-            raise SharedFileMismatchError(
-                f"AutoCache: {self.paths[0]} holds states of shape {described[0]} and {described[1]} per sample, "
-                f"another rank of this node would put {tuple(shape)} and {dtype} there: the first stages of a node "
-                f"must cache the same model and inputs."
-            )
+        adopt = tuple_len is None
+        if not adopt:
+            self._claim((tuple(shape), dtype, tuple_len))
         try:
             self.data = shared_tensor(self.paths[0], (num_samples, *shape), dtype, create=not adopt)
             self.valid = shared_tensor(self.paths[1], (num_samples,), torch.uint8, create=not adopt)
@@ -163,18 +164,28 @@ class FileTier(Tier):
         self.data.index_copy_(0, indices, states.to("cpu", self.data.dtype))
         self.valid[indices] = 1
 
-    def describe(self, tuple_len: int) -> None:
-        """Write beside the file what it holds, for ranks of the node that open it later (once)."""
+    def _claim(self, about: tuple[tuple[int, ...], torch.dtype, int]) -> None:
+        """Describe the file before any rank maps it, unless another rank of the node did: then its
+        description must be this one. A rank that opens the depth later reads it."""
+        shape, dtype, tuple_len = about
+        text = json.dumps({"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "tuple_len": tuple_len})
         path = self.paths[2]
-        if path.exists():
-            return
-        about = {"shape": list(self.data.shape[1:]), "dtype": str(self.data.dtype).removeprefix("torch.")}
         partial = path.with_name(f"{path.name}.{os.getpid()}")
         try:
-            partial.write_text(json.dumps({**about, "tuple_len": tuple_len}))
-            partial.replace(path)
+            partial.write_text(text)
+            os.link(partial, path)  # atomic, and never over another rank's description
+        except FileExistsError:
+            pass
         except OSError:  # a full file system: the other ranks compute this depth instead of reading it
+            return
+        finally:
             partial.unlink(missing_ok=True)
+        described = self.description(path)
+        if described is not None and described != about:
+            raise SharedFileMismatchError(
+                f"another first stage of this node caches states of shape {described[0]}, {described[1]} (a tuple of "
+                f"{described[2]}) at this depth, where this one has {shape}, {dtype} (a tuple of {tuple_len})"
+            )
 
     @staticmethod
     def description(path: Path) -> tuple[tuple[int, ...], torch.dtype, int] | None:
@@ -199,7 +210,7 @@ class FileTier(Tier):
                 continue
             shape, dtype, tuple_len = about
             try:
-                tier = cls(name, folder, depth, num_samples, shape, dtype, adopt=True)
+                tier = cls(name, folder, depth, num_samples, shape, dtype)
             except OSError:
                 continue
             yield depth, tier, tuple_len
