@@ -134,8 +134,8 @@ class FileTier(Tier):
         tuple_len: int | None = None,
     ) -> None:
         """``tuple_len`` None: adopt the files another rank of the node made and described, never
-        creating, extending or removing them. Otherwise make them, or share them where another rank
-        described the same states (else :class:`SharedFileMismatchError`)."""
+        creating or extending them (a failed adoption removes nothing). Otherwise make them, or share
+        them where another rank described the same states (else :class:`SharedFileMismatchError`)."""
         self.name = name
         # the states, which of them are valid, and what the file holds (for ranks that open it later)
         self.paths = (folder / f"depth{depth}", folder / f"depth{depth}.valid", folder / f"depth{depth}.json")
