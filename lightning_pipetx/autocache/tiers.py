@@ -38,8 +38,9 @@ def shared_tensor(path: Path, shape: tuple[int, ...], dtype: torch.dtype, create
     nbytes = nbytes_of(1, shape, dtype)
     fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
     try:
-        if not create and os.fstat(fd).st_size != nbytes:
-            raise OSError(f"{path} holds {os.fstat(fd).st_size} bytes, not the {nbytes} described")
+        size = os.fstat(fd).st_size
+        if not create and size != nbytes:
+            raise OSError(f"{path} holds {size} bytes, not the {nbytes} described")
         if nbytes:
             os.posix_fallocate(fd, 0, nbytes)
         # mapped through the open descriptor where the system allows: the file checked above,

@@ -231,18 +231,19 @@ class FreezeCallback(Callback):
             return
         # Kept where the gradients live, without a host read per step. Every rank records every
         # step, with or without gradients of its own: the ranks agree on them at the epoch's end.
-        norms = torch.zeros(len(self._norm_sums), dtype=torch.float64, device=pl_module.device)
-        measured = False
-        for index in range(self.frozen_blocks, self.split.num_blocks):
+        num_blocks = self.split.num_blocks
+        row = torch.zeros(num_blocks + 2, dtype=torch.float64, device=pl_module.device)
+        norms = row[:num_blocks]
+        for index in range(self.frozen_blocks, num_blocks):
             grads = [p.grad for p in self.split.block_parameters(index) if p.grad is not None]
             if grads:  # one multi-tensor kernel per block on a GPU, not one per parameter
                 norms[index] = get_total_norm([g.detach().float() for g in grads]).to(norms)
-                measured = True
-        scale = loss_scale_left_in(trainer, optimizer, norms.device)
+                row[-1] = 1.0  # measured
+        scale = loss_scale_left_in(trainer, optimizer, row.device)
         if scale is not None:
-            norms = norms / scale
-        finite = torch.isfinite(norms).all().to(torch.float64)  # fp16 loss scaling skips overflowed steps
-        self._step_rows.append(torch.cat([norms, finite[None], norms.new_full((1,), float(measured))]))
+            norms /= scale
+        row[-2] = torch.isfinite(norms).all()  # fp16 loss scaling skips overflowed steps
+        self._step_rows.append(row)
         if len(self._step_rows) >= _ROWS_AGREED_AT_ONCE:  # on every rank at once: the same steps
             self._agree_on_steps()
 

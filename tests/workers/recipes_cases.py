@@ -9,6 +9,8 @@ from lightning.pytorch.plugins import MixedPrecision
 from tiny_models import TASKS, make_trainer
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_pipetx import FreezeCallback
+
 STEPS = 3
 GLOBAL_BATCH = 8
 
@@ -118,8 +120,6 @@ def train_loader(batch_size: int, sampler=None, task: str = "bert") -> DataLoade
 
 def fp16_reference(optimizer: str = "adamw") -> dict[str, torch.Tensor]:
     """The fp16 run in one process, on the same global batches, with FreezeCallback's gradient norms."""
-    from lightning_pipetx import FreezeCallback
-
     module = fp16_module(optimizer)
     freeze = FreezeCallback()
     dataset = TASKS["bert"].dataset(size=32, seed=1)
