@@ -86,9 +86,24 @@ def worker(args: argparse.Namespace) -> None:
             self.transition = None
 
         def on_fit_start(self, trainer, pl_module):
-            self.start = time.perf_counter()
+            self.start = self.epoch_end = time.perf_counter()
+
+        def _now(self) -> float:
+            # the phases' edges wait for the device, so that each phase holds its own device work
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            return time.perf_counter()
+
+        def on_validation_start(self, trainer, pl_module):
+            if not trainer.sanity_checking:
+                self.validation_start = self._now()
+
+        def on_validation_end(self, trainer, pl_module):
+            if not trainer.sanity_checking:
+                self.validation_end = self._now()
 
         def on_train_epoch_start(self, trainer, pl_module):
+            self.epoch_start = self._now()
             # what this epoch trains with: the decision after it may change both
             self.frozen = callbacks[0].frozen_blocks if callbacks else 0
             layout = getattr(trainer.strategy, "layout", None)
@@ -100,9 +115,10 @@ def worker(args: argparse.Namespace) -> None:
                 transition = None
             else:
                 self.transition = transition
+            now = self._now()
             self.points.append(
                 {
-                    "seconds": time.perf_counter() - self.start,
+                    "seconds": now - self.start,
                     "val_acc": float(trainer.callback_metrics["val_acc"]),
                     "val_loss": _metric(trainer, "val_loss"),
                     "frozen": self.frozen,
@@ -113,8 +129,21 @@ def worker(args: argparse.Namespace) -> None:
                     "transition_seconds": None if transition is None else transition.seconds,  # after this epoch
                     "transition": None if transition is None else f"{transition.old_layout} -> {transition.new_layout}",
                     "freeze_reason": _freeze_reason(callbacks),  # the decision taken after this epoch
+                    "phase_seconds": self._phases(now),
                 }
             )
+            self.epoch_end = now
+
+        def _phases(self, now: float) -> dict[str, float]:
+            """Where the epoch's wall time went: from the last epoch's end (or the fit's start) to
+            this one's start, the training steps (and the loading between them), validation, and
+            the epoch-end hooks (the freeze decision and a transition included)."""
+            return {
+                "before_epoch": self.epoch_start - self.epoch_end,
+                "training": self.validation_start - self.epoch_start,
+                "validation": self.validation_end - self.validation_start,
+                "epoch_end": now - self.validation_end,
+            }
 
     class Reseed(Callback):
         """ddp_reseeded: another random stream from epoch 1 on (the data order stays the sampler's)."""
@@ -161,6 +190,8 @@ def worker(args: argparse.Namespace) -> None:
         blocks = len(find_blocks(model).blocks)
         result = {"wall_seconds": wall, "epochs": curve.points, "test_acc": test_acc, "blocks": blocks}
         Path(args.result_dir, f"{config}_rank0.json").write_text(json.dumps(result))
+    if torch.distributed.is_initialized():  # gloo's threads stopped here, not in the interpreter's exit
+        torch.distributed.destroy_process_group()
 
 
 def _metric(trainer, name: str) -> float | None:
@@ -243,6 +274,12 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _phase_line(epoch: int, seeds: list[dict]) -> str:
+    """One epoch's phases, mean over seeds: ``before/training/validation/end``."""
+    phases = [run["epochs"][epoch]["phase_seconds"] for run in seeds]
+    return "/".join(f"{statistics.mean(p[name] for p in phases):.2f}" for name in phases[0])
 
 
 def _ratio(value: float | None) -> str:
@@ -343,6 +380,9 @@ def main() -> None:
                 f"{config}: {row['transitions_per_run']:g} transition(s) per run, {row['transition_seconds']:.2f} s "
                 "each on rank 0" + ("" if share is None else f", {100 * share:.1f}% of a ddp epoch")
             )
+    print("\nseconds per epoch by phase, mean over seeds (before the epoch, training steps, validation, epoch end):")
+    for config, seeds_ in runs.items():
+        print(f"{config:<12} " + "  ".join(_phase_line(epoch, seeds_) for epoch in range(len(seeds_[0]["epochs"]))))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = {"command": " ".join([sys.executable, *sys.argv]), "settings": vars(args), "table": table, "runs": runs}

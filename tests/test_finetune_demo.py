@@ -50,6 +50,17 @@ def test_the_demo_command_compares_ddp_and_the_full_system(tmp_path):
     assert epochs[0]["transition"].startswith("2x1 -> ") and epochs[1]["layout"] == epochs[0]["transition"][7:]
     assert 0 < full["transition_share_of_ddp_epoch"] < 1 and "transition(s) per run" in proc.stdout
     assert "transition_seconds" not in ddp
+    # Each epoch's wall time split into phases: they add up to the time between epoch ends, and the
+    # transition falls in the epoch-end phase of the epoch before it.
+    for run in (summary["runs"]["ddp"][0], summary["runs"]["full"][0]):
+        ends = [0.0] + [p["seconds"] for p in run["epochs"]]
+        for point, start, end in zip(run["epochs"], ends, ends[1:]):
+            phases = point["phase_seconds"]
+            assert set(phases) == {"before_epoch", "training", "validation", "epoch_end"}
+            assert min(phases.values()) >= 0 and phases["training"] > 0 and phases["validation"] > 0
+            assert sum(phases.values()) == pytest.approx(end - start, abs=1e-6)
+    assert epochs[0]["phase_seconds"]["epoch_end"] >= transitions[0]
+    assert "seconds per epoch by phase" in proc.stdout
     for row in (ddp, full):
         assert 0.0 <= row["final_val_acc"] <= 1.0 and 0.0 <= row["test_acc"] <= 1.0
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
