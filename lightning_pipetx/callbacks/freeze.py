@@ -12,9 +12,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 from lightning.pytorch.utilities.data import extract_batch_size
-from torch.nn.utils import get_total_norm
 
 from lightning_pipetx.blocks import BlockSplit, find_blocks
+from lightning_pipetx.callbacks.block_norms import BlockGradientNorms
 from lightning_pipetx.callbacks.freeze_context import (
     agreed_block_path,
     all_reduce_max,
@@ -113,6 +113,7 @@ class FreezeCallback(Callback):
         # one row per optimizer step not yet agreed on, on the device: [norm per block..., finite, measured]
         self._step_rows: list[torch.Tensor] = []
         self._split: BlockSplit | None = None
+        self._block_norms: BlockGradientNorms | None = None
         self._pre_weights: list[str] | None = None  # found by the first training step's trace
         self._trace: PreTrace | None = None
         self._epoch_samples = 0
@@ -234,11 +235,10 @@ class FreezeCallback(Callback):
         num_blocks = self.split.num_blocks
         row = torch.zeros(num_blocks + 2, dtype=torch.float64, device=pl_module.device)
         norms = row[:num_blocks]
-        for index in range(self.frozen_blocks, num_blocks):
-            grads = [p.grad for p in self.split.block_parameters(index) if p.grad is not None]
-            if grads:  # one multi-tensor kernel per block on a GPU, not one per parameter
-                norms[index] = get_total_norm([g.detach().float() for g in grads]).to(norms)
-                row[-1] = 1.0  # measured
+        if self._block_norms is None or self._block_norms.split is not self.split:
+            self._block_norms = BlockGradientNorms(self.split)
+        if self._block_norms.measure(self.frozen_blocks, norms):
+            row[-1] = 1.0  # measured
         scale = loss_scale_left_in(trainer, optimizer, row.device)
         if scale is not None:
             norms /= scale
