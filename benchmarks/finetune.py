@@ -12,7 +12,10 @@ split reported at the end) with the LightningModule and DataModule of
 * ``ddp_reseeded`` (not run unless asked for): ``ddp`` with torch's random stream reseeded when
   epoch 1 starts. Its epoch 0 is ``ddp``'s; from then on it draws other dropout masks, as a run
   whose blocks froze does. Its difference from ``ddp`` is how far the final accuracy moves when
-  the trajectory diverges and nothing else changes (the noise of a paired comparison).
+  the trajectory diverges and nothing else changes (the noise of a paired comparison);
+* ``ddp_frozen_pre``, ``ddp_frozen_blocks`` (not run unless asked for): ``ddp`` whose optimizer
+  skips the embeddings, or the blocks the full system freezes, to tell which of them freezing's
+  accuracy cost comes from (``benchmarks/freeze_diagnostics.py``).
 
 Each for every ``--seeds``, the configurations in reverse order every other seed (so that a
 machine whose speed drifts favours none of them). Prints wall time (fit, validation included), its ratio against
@@ -37,8 +40,9 @@ import time
 from pathlib import Path
 
 from _launch import in_turn, launch
+from freeze_diagnostics import DIAGNOSTICS, gradient_drop
 
-CONFIGS = ("plain", "ddp", "pipe", "full", "ddp_reseeded")
+CONFIGS = ("plain", "ddp", "pipe", "full", "ddp_reseeded", *DIAGNOSTICS)
 DEFAULT_CONFIGS = CONFIGS[:4]
 FUSED = {"auto": None, "on": True, "off": False}  # AdamW's fused kernel; auto: on a GPU (the example's default)
 # Both sizes train 6 epochs (the issue's GPU measurement did): freezing pays in the epochs after
@@ -154,6 +158,8 @@ def worker(args: argparse.Namespace) -> None:
 
     curve = Curve()
     extra = [Reseed()] if config == "ddp_reseeded" else []
+    if config in DIAGNOSTICS:
+        extra = [gradient_drop(config, [int(f) for f in args.frozen_schedule.split(",")])]
     if config == "full" and args.report:
         from lightning_pipetx.callbacks.report import EpochReport
 
@@ -323,6 +329,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--warmup-epochs", type=int, default=None, help="the full system's FreezeCallback warmup_epochs"
+    )
+    parser.add_argument(
+        "--frozen-schedule",
+        default="0,2,4,5,5,5",
+        help="ddp_frozen_blocks: blocks kept from training per epoch (default: the full system's decisions here)",
     )
     parser.add_argument(
         "--guard-tolerance",
