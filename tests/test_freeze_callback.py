@@ -869,6 +869,7 @@ DDP_SCRIPT = textwrap.dedent(
         },
         sys.argv[2] + f"/rank{trainer.global_rank}.pt",
     )
+    torch.distributed.destroy_process_group()  # as tests/workers/worker_exit.py does
     """
 )
 

@@ -10,6 +10,7 @@ import sys
 
 import lightning.pytorch as pl
 from tiny_models import build_task, task_loader
+from worker_exit import run_worker
 
 from lightning_pipetx import ElasticPipelineStrategy
 
@@ -48,4 +49,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_worker(main)

@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from tiny_models import RandomImageDataset
 from torch.utils.data import DataLoader
+from worker_exit import run_worker
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 
@@ -115,4 +116,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_worker(main)

@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import torch
 from elastic_cases import EPOCHS, build_module, freeze_callback, train_loader, val_loader
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from worker_exit import run_worker
 
 from lightning_pipetx import ElasticPipelineStrategy
 
@@ -79,4 +80,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_worker(main)

@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import torch
 from equivalence_cases import build_case_module, case_loader, eval_loader
 from lightning.pytorch.callbacks import Callback
+from worker_exit import run_worker
 
 from lightning_pipetx import ElasticPipelineStrategy
 
@@ -66,4 +67,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_worker(main)

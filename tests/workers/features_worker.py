@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter, EarlyStopping, Lea
 from lightning.pytorch.loggers import CSVLogger
 from tiny_models import RandomTokenDataset, tiny_bert
 from torch.utils.data import DataLoader
+from worker_exit import run_worker
 
 import lightning_pipetx  # noqa: F401  (registers the strategy names)
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
@@ -179,4 +180,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_worker(main)

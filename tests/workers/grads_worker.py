@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import torch
 from grads_cases import BackwardHooks, build_module, dataset, trainer_options
 from torch.utils.data import DataLoader
+from worker_exit import run_worker
 
 from lightning_pipetx import ElasticPipelineStrategy
 
@@ -81,4 +82,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_worker(main)

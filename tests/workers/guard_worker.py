@@ -13,6 +13,7 @@ import sys
 
 import torch
 from tiny_models import Layouts, RandomVectorDataset, TinySequentialRegressor, make_loader, make_trainer
+from worker_exit import run_worker
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 
@@ -49,4 +50,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_worker(main)

@@ -13,6 +13,7 @@ import sys
 
 from tiny_models import Layouts, RandomVectorDataset, TinySequentialRegressor, make_trainer
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
+from worker_exit import run_worker
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 
@@ -50,4 +51,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_worker(main)

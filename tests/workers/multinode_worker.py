@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import tiny_models as tm
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
+from worker_exit import run_worker
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 
@@ -79,4 +80,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_worker(main)

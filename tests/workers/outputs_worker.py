@@ -22,6 +22,7 @@ import torchmetrics
 from lightning.pytorch.callbacks import Callback
 from tiny_models import RandomTokenDataset, tiny_bert
 from torch.utils.data import DataLoader
+from worker_exit import run_worker
 
 from lightning_pipetx import ElasticPipelineStrategy
 
@@ -202,4 +203,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_worker(main)

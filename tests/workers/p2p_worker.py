@@ -11,6 +11,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from worker_exit import run_worker
 
 from lightning_pipetx.strategy.p2p import Channel
 
@@ -32,4 +33,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_worker(main)

@@ -29,6 +29,7 @@ from recipes_cases import (
     scheduled_module,
     train_loader,
 )
+from worker_exit import run_worker
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 
@@ -94,4 +95,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_worker(main)

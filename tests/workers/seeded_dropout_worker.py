@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import torch
 from tiny_models import TASKS, TinyBertClassifier, make_trainer
 from torch.utils.data import DataLoader
+from worker_exit import run_worker
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 
@@ -42,4 +43,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_worker(main)
