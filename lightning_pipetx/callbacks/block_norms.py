@@ -13,19 +13,19 @@ from lightning_pipetx.blocks import BlockSplit
 
 
 class BlockGradientNorms:
-    """Writes the L2 norm of the gradients of blocks ``[first, L)`` of ``split`` into a row."""
+    """Writes the L2 norm of the gradients of a split's blocks ``[first, L)`` into a row."""
 
-    def __init__(self, split: BlockSplit) -> None:
-        self.split = split
+    def __init__(self) -> None:
         self._owners: tuple[int, ...] = ()
         self._owner_index: torch.Tensor | None = None  # on the row's device: the block of each gradient
 
-    def measure(self, first: int, out: torch.Tensor) -> bool:
-        """Set ``out[i]`` to block ``i``'s gradient norm for ``i >= first`` (float32 sums of
-        squares, whatever the gradients' dtype); whether any of those blocks had gradients."""
+    def measure(self, split: BlockSplit, first: int, out: torch.Tensor) -> bool:
+        """Set ``out[i]`` to block ``i``'s gradient norm for ``i >= first`` (each gradient's norm
+        in float32, whatever its dtype; their squares summed in ``out``'s dtype); whether any of
+        those blocks had gradients."""
         grads, owners = [], []
-        for index in range(first, self.split.num_blocks):
-            for param in self.split.block_parameters(index):
+        for index in range(first, split.num_blocks):
+            for param in split.block_parameters(index):
                 if param.grad is not None:
                     grads.append(param.grad.detach())
                     owners.append(index)

@@ -113,7 +113,7 @@ class FreezeCallback(Callback):
         # one row per optimizer step not yet agreed on, on the device: [norm per block..., finite, measured]
         self._step_rows: list[torch.Tensor] = []
         self._split: BlockSplit | None = None
-        self._block_norms: BlockGradientNorms | None = None
+        self._block_norms = BlockGradientNorms()
         self._pre_weights: list[str] | None = None  # found by the first training step's trace
         self._trace: PreTrace | None = None
         self._epoch_samples = 0
@@ -235,9 +235,7 @@ class FreezeCallback(Callback):
         num_blocks = self.split.num_blocks
         row = torch.zeros(num_blocks + 2, dtype=torch.float64, device=pl_module.device)
         norms = row[:num_blocks]
-        if self._block_norms is None or self._block_norms.split is not self.split:
-            self._block_norms = BlockGradientNorms(self.split)
-        if self._block_norms.measure(self.frozen_blocks, norms):
+        if self._block_norms.measure(self.split, self.frozen_blocks, norms):
             row[-1] = 1.0  # measured
         scale = loss_scale_left_in(trainer, optimizer, row.device)
         if scale is not None:
