@@ -21,6 +21,8 @@ for path in (TESTS_DIR, TESTS_DIR / "workers"):  # workers import their shared c
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+from distributed import RENDEZVOUS_VARIABLES  # noqa: E402
+
 for name in ("lightning.pytorch.utilities.rank_zero", "lightning.pytorch.accelerators.cuda"):
     logging.getLogger(name).setLevel(logging.WARNING)
 
@@ -42,14 +44,11 @@ def pytest_configure(config):
         pass
 
 
-_RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
-
-
 @pytest.fixture(autouse=True)
 def _forget_rendezvous():
     """Lightning writes MASTER_PORT and friends into this process's environment when a test
     trains in-process (the port stays bound by its process group); subprocesses started by
     later tests must not inherit them."""
     yield
-    for name in _RENDEZVOUS_VARIABLES:
+    for name in RENDEZVOUS_VARIABLES:
         os.environ.pop(name, None)
