@@ -26,6 +26,7 @@ import random
 import runpy
 import signal
 import sys
+import tempfile
 import time
 import traceback
 
@@ -53,6 +54,7 @@ def _run_rank(script: str, args: list[str], env: dict[str, str]) -> int:
     """In a forked rank: the worker script as ``__main__``, as ``python script args`` runs it."""
     os.environ.clear()
     os.environ.update(env)
+    tempfile.tempdir = None  # found again from this environment's TMPDIR when first asked
     torch.seed()  # a new process draws its seeds from the system, not from its parent's
     random.seed()
     np.random.seed()
