@@ -36,7 +36,8 @@ def worker_env(extra: dict | None = None) -> dict:
         ),
         "PYTHONUNBUFFERED": "1",
     }
-    env.pop("PL_GLOBAL_SEED", None)
+    for name in ("PL_GLOBAL_SEED", *RENDEZVOUS_VARIABLES):  # the launcher gives each rank its own
+        env.pop(name, None)
     return env
 
 
@@ -52,11 +53,11 @@ def run_workers(
     Fails the calling test with the workers' output when they fail (or, with
     ``expect_failure``, when they succeed).
     """
-    path = str(TESTS_DIR / "workers" / script)
+    path, env = str(TESTS_DIR / "workers" / script), worker_env(env)
     if os.environ.get(LAUNCHER_ENV, "fork") == "torchrun":
-        returncode, output = _torchrun(path, nprocs, args, timeout, worker_env(env))
+        returncode, output = _torchrun(path, nprocs, args, timeout, env)
     else:
-        returncode, output = _fork_server().launch(path, nprocs, args, timeout, worker_env(env))
+        returncode, output = _fork_server().launch(path, nprocs, args, timeout, env)
     if expect_failure:
         assert returncode != 0, f"workers were expected to fail:\n{output[-6000:]}"
     else:
@@ -82,12 +83,9 @@ class ForkServer:
     """The client of one :mod:`fork_launcher` process: a launch at a time."""
 
     def __init__(self) -> None:
-        env = worker_env()
-        for name in RENDEZVOUS_VARIABLES:
-            env.pop(name, None)
         self.process = subprocess.Popen(
             [sys.executable, "-u", str(TESTS_DIR / "fork_launcher.py")],
-            env=env,
+            env=worker_env(),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -106,8 +104,7 @@ class ForkServer:
 
     def launch(self, path: str, nprocs: int, args: tuple[str, ...], timeout: float, env: dict) -> tuple[int, str]:
         """Run ``path`` on ``nprocs`` ranks with ``env`` as their whole environment, as torchrun would."""
-        env = {name: value for name, value in env.items() if name not in RENDEZVOUS_VARIABLES}
-        env["MASTER_PORT"] = str(free_port())
+        env = {**env, "MASTER_PORT": str(free_port())}
         with tempfile.TemporaryDirectory() as folder:
             out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
             request = {"script": path, "args": list(args), "nprocs": nprocs, "env": env, "stdout": out, "stderr": err}

@@ -11,8 +11,8 @@ its own random seeds, Lightning's rank for ``rank_zero_only``, and runs the work
 
 Protocol, one JSON line each way per launch: the request ``{"script", "args", "nprocs",
 "env", "stdout", "stderr"}`` (the ranks' whole environment, with ``MASTER_PORT``, and the two
-output files), then the answers ``{"pid": ...}`` (the
-launch's process group, for the client to kill on a timeout) and ``{"returncode": ...}``.
+output files), then the answers ``{"pid": ...}`` (the launch's process group, for the client
+to kill on a timeout) and ``{"returncode": ...}``.
 ``PIPETX_TEST_LAUNCHER=torchrun`` makes the tests launch with ``torchrun`` instead.
 """
 
