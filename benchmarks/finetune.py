@@ -46,7 +46,7 @@ CONFIGS = ("plain", "ddp", "pipe", "full", "ddp_reseeded", *DIAGNOSTICS)
 DEFAULT_CONFIGS = CONFIGS[:4]
 FUSED = {"auto": None, "on": True, "off": False}  # AdamW's fused kernel; auto: on a GPU (the example's default)
 # Both sizes train 6 epochs (the GPU measurement did): freezing pays in the epochs after
-# the first, so fewer epochs favour DDP (4 epochs of the small size: 1.6-1.8x, README).
+# the first, so fewer epochs favour DDP (4 epochs of the small size: 1.6-1.8x, benchmarks/RESULTS.md).
 SMALL = {"train": 1200, "val": 400, "max_length": 48, "epochs": 6, "batch": 32}
 FULL = {"train": None, "val": None, "max_length": 64, "epochs": 6, "batch": 32}
 
