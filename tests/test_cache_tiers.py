@@ -1,6 +1,9 @@
 """AutoCache's tiers on CPU: which tier served each hit, budgets, spill and refill, the input
 guard's deferred verdict, and a tier dropped when reading it was measured slower than computing."""
 
+import errno
+import os
+
 import lightning.pytorch as pl
 import pytest
 import tiny_models as tm
@@ -9,7 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
-from lightning_pipetx.autocache import AutoCache, CacheControl, CacheFeed, CacheSite
+from lightning_pipetx.autocache import AutoCache, CacheControl, CacheFeed, CacheSite, tiers
 from lightning_pipetx.strategy.p2p import Activation
 
 ROW_BYTES = tm.SEQ_LEN * tm.HIDDEN * 4  # one sample's hidden state, float32
@@ -92,6 +95,30 @@ def test_a_shared_depth_file_removed_or_of_another_size_is_passed_over_and_left_
     assert valid.exists() == (damage == "truncated")  # neither created again nor extended
     assert damage == "removed" or valid.stat().st_size == 3
     first.close(remove_files=True)
+
+
+def test_a_rank_that_cannot_map_a_depth_another_rank_of_its_node_cached_leaves_its_files(tmp_path, monkeypatch):
+    first, second = _node_caches(tmp_path)
+    first.store(torch.arange(4), 1, _states(7, 4))
+    first.flush_writes()
+
+    def full(path, *args, **kwargs):  # the RAM file system has no room left for this rank's mapping
+        if path.parent == tmp_path / "ram":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return shared_tensor(path, *args, **kwargs)
+
+    shared_tensor = tiers.shared_tensor
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tiers, "shared_tensor", full)
+        second.store(torch.arange(4), 1, _states(7, 4))  # to its disk spill instead
+    assert second.tier_bytes("host") == 0 and second.tier_bytes("disk") == 4 * 3 * 2 * 4
+    assert sorted(p.name for p in (tmp_path / "ram").iterdir()) == ["depth1", "depth1.json", "depth1.valid"]
+    third = _node_caches(tmp_path)[0]  # a rank that opens the depth later still reads the first one's states
+    level, states, _ = third.lookup(torch.arange(4), 1)
+    assert level == 1 and torch.equal(states, torch.full((4, 3, 2), 7.0))
+    first.close(remove_files=True)
+    second.close(remove_files=True)
 
 
 def test_a_rank_whose_states_differ_from_those_another_rank_of_its_node_described_switches_its_cache_off(

@@ -141,13 +141,12 @@ class FileTier(Tier):
         # the states, which of them are valid, and what the file holds (for ranks that open it later)
         self.paths = (folder / f"depth{depth}", folder / f"depth{depth}.valid", folder / f"depth{depth}.json")
         adopt = tuple_len is None
-        if not adopt:
-            self._claim((tuple(shape), dtype, tuple_len))
+        owned_elsewhere = adopt or self._claim((tuple(shape), dtype, tuple_len))
         try:
             self.data = shared_tensor(self.paths[0], (num_samples, *shape), dtype, create=not adopt)
             self.valid = shared_tensor(self.paths[1], (num_samples,), torch.uint8, create=not adopt)
         except OSError:
-            if not adopt:
+            if not owned_elsewhere:  # files another rank described stay, with the states it keeps there
                 self.unlink()
             raise
 
@@ -165,9 +164,9 @@ class FileTier(Tier):
         self.data.index_copy_(0, indices, states.to("cpu", self.data.dtype))
         self.valid[indices] = 1
 
-    def _claim(self, about: tuple[tuple[int, ...], torch.dtype, int]) -> None:
+    def _claim(self, about: tuple[tuple[int, ...], torch.dtype, int]) -> bool:
         """Describe the file before any rank maps it, unless another rank of the node did: then its
-        description must be this one. A rank that opens the depth later reads it."""
+        description must be this one, and True is returned. A rank that opens the depth later reads it."""
         shape, dtype, tuple_len = about
         text = json.dumps({"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "tuple_len": tuple_len})
         path = self.paths[2]
@@ -175,10 +174,11 @@ class FileTier(Tier):
         try:
             partial.write_text(text)
             os.link(partial, path)  # atomic, and never over another rank's description
+            return False
         except FileExistsError:
             pass
         except OSError:  # a full file system: the other ranks compute this depth instead of reading it
-            return
+            return False
         finally:
             partial.unlink(missing_ok=True)
         described = self.description(path)
@@ -187,6 +187,7 @@ class FileTier(Tier):
                 f"another first stage of this node caches states of shape {described[0]}, {described[1]} (a tuple of "
                 f"{described[2]}) at this depth, where this one has {shape}, {dtype} (a tuple of {tuple_len})"
             )
+        return True
 
     @staticmethod
     def description(path: Path) -> tuple[tuple[int, ...], torch.dtype, int] | None:
