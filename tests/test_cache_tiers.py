@@ -3,6 +3,7 @@ guard's deferred verdict, and a tier dropped when reading it was measured slower
 
 import errno
 import os
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -12,7 +13,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
-from lightning_pipetx.autocache import AutoCache, CacheControl, CacheFeed, CacheSite, tiers
+from lightning_pipetx.autocache import AutoCache, CacheControl, CacheFeed, CacheSite
 from lightning_pipetx.strategy.p2p import Activation
 
 ROW_BYTES = tm.SEQ_LEN * tm.HIDDEN * 4  # one sample's hidden state, float32
@@ -102,15 +103,15 @@ def test_a_rank_that_cannot_map_a_depth_another_rank_of_its_node_cached_leaves_i
     first.store(torch.arange(4), 1, _states(7, 4))
     first.flush_writes()
 
-    def full(path, *args, **kwargs):  # the RAM file system has no room left for this rank's mapping
-        if path.parent == tmp_path / "ram":
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return shared_tensor(path, *args, **kwargs)
+    reserve = os.posix_fallocate
 
-    shared_tensor = tiers.shared_tensor
+    def full_ram(fd, offset, length):  # the RAM file system has no room left for this rank's mapping
+        if Path(os.readlink(f"/proc/self/fd/{fd}")).parent == tmp_path / "ram":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        reserve(fd, offset, length)
 
     with monkeypatch.context() as patch:
-        patch.setattr(tiers, "shared_tensor", full)
+        patch.setattr(os, "posix_fallocate", full_ram)
         second.store(torch.arange(4), 1, _states(7, 4))  # to its disk spill instead
     assert second.tier_bytes("host") == 0 and second.tier_bytes("disk") == 4 * 3 * 2 * 4
     assert sorted(p.name for p in (tmp_path / "ram").iterdir()) == ["depth1", "depth1.json", "depth1.valid"]
