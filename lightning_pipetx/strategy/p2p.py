@@ -19,7 +19,11 @@ by the process-group timeout and a lost peer raises :class:`PeerError` naming it
 
 ``PIPETX_STRICT_P2P=1`` makes gloo as strict as NCCL: a batch completes only when every
 receiver has taken its data (each receive is acknowledged), so an ordering that could
-deadlock under NCCL ends in a timeout on CPU too.
+deadlock under NCCL ends in a timeout on CPU too. ``PIPETX_COALESCED_P2P=1`` makes gloo answer
+a batch as NCCL does, with one work for all its sends and receives, whose receives land in
+their tensors only when it is waited on (:class:`CoalescedWork`). The two modes are tested
+apart: strict mode's acknowledgements, waited on before the next batch, would add waits to a
+batch NCCL completes on its own.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ _DTYPES = [
 ]
 _TAG_DATA, _TAG_ACK = 1, 2
 STRICT_ENV = "PIPETX_STRICT_P2P"
+COALESCED_ENV = "PIPETX_COALESCED_P2P"
 
 
 class PeerError(RuntimeError):
@@ -192,13 +197,49 @@ def strict_mode() -> bool:
     return os.environ.get(STRICT_ENV, "0") == "1"
 
 
+class CoalescedWork:
+    """NCCL's answer to a batch of sends and receives (``batch_isend_irecv`` in a coalescing
+    group): one work that completes all of them. On gloo, for ``PIPETX_COALESCED_P2P=1``: the
+    batch's works, with each receive staged and copied into its tensor only when waited on."""
+
+    def __init__(self, works: list[dist.Work], staged: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._works, self._staged = works, staged
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for work in self._works:
+            work.wait(timeout) if timeout is not None else work.wait()
+        for staging, tensor in self._staged:
+            tensor.copy_(staging)
+        self._staged = []
+        return True
+
+
+def _coalesced(ops: list[dist.P2POp]) -> list[CoalescedWork]:
+    """``batch_isend_irecv`` answered as NCCL answers it, on a backend that does not coalesce."""
+    staged, posted = [], []
+    for op in ops:
+        if op.op is dist.irecv:
+            staging = torch.empty_like(op.tensor)
+            staged.append((staging, op.tensor))
+            op = dist.P2POp(dist.irecv, staging, op.peer, tag=op.tag)
+        posted.append(op)
+    return [CoalescedWork(dist.batch_isend_irecv(posted), staged)]
+
+
 class Channel:
     """Posts batches of sends and receives between this rank and its neighbours."""
 
-    def __init__(self, device: torch.device, timeout: timedelta | None = None, strict: bool | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        timeout: timedelta | None = None,
+        strict: bool | None = None,
+        coalesced: bool | None = None,
+    ) -> None:
         self.device = device
         self.timeout = timeout or timedelta(minutes=30)
         self.strict = strict_mode() if strict is None else strict
+        self.coalesced = os.environ.get(COALESCED_ENV, "0") == "1" if coalesced is None else coalesced
         self._outstanding: list[tuple[dist.Work, int, torch.Tensor]] = []  # sends of the last batch
 
     def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
@@ -209,17 +250,25 @@ class Channel:
             return
         ops = [dist.P2POp(dist.isend, t, peer, tag=_TAG_DATA) for t, peer in sends]
         ops += [dist.P2POp(dist.irecv, t, peer, tag=_TAG_DATA) for t, peer in recvs]
-        works = dist.batch_isend_irecv(ops)
-        send_works, recv_works = works[: len(sends)], works[len(sends) :]
+        works = _coalesced(ops) if self.coalesced else dist.batch_isend_irecv(ops)
+        if len(works) == len(ops):  # a work per transfer (gloo)
+            send_works, recv_works = works[: len(sends)], works[len(sends) :]
+        else:  # NCCL coalesces the batch into one work: it completes every receive (and send) in it
+            peers = " or ".join(str(peer) for peer in sorted({peer for _, peer in sends + recvs}))
+            for work in works:
+                self._wait(work, peers, "a batch of hidden states or gradients")
+            send_works, recv_works = [None] * len(sends), [None] * len(recvs)
         if self.strict:  # a send completes only when its receiver acknowledges it
             send_works = [dist.irecv(torch.zeros(1), peer, tag=_TAG_ACK) for _, peer in sends]
         for work, (tensor, peer) in zip(send_works, sends):
             # Keep the tensor alive until the work completes (NCCL reads it asynchronously).
-            self._outstanding.append((work, peer, tensor))
+            if work is not None:
+                self._outstanding.append((work, peer, tensor))
             if tensor.is_cuda:
                 tensor.record_stream(torch.cuda.current_stream(tensor.device))
         for work, (tensor, peer) in zip(recv_works, recvs):
-            self._wait(work, peer, "a hidden state or gradient")
+            if work is not None:
+                self._wait(work, peer, "a hidden state or gradient")
             if self.strict:
                 self._outstanding.append((dist.isend(torch.ones(1), peer, tag=_TAG_ACK), peer, tensor))
         if self.strict:
@@ -231,7 +280,7 @@ class Channel:
         for work, peer, _ in outstanding:
             self._wait(work, peer, "the receipt of what it was sent")
 
-    def _wait(self, work: dist.Work, peer: int, what: str) -> None:
+    def _wait(self, work: dist.Work | CoalescedWork, peer: int | str, what: str) -> None:
         try:
             work.wait(self.timeout)
         except RuntimeError as error:  # gloo and NCCL report a lost peer or a timeout as RuntimeError
