@@ -89,6 +89,17 @@ def test_block_buffers_move_with_their_blocks(tmp_path):
     assert sums == pytest.approx(first_stage, rel=1e-6)
 
 
+def test_a_transition_keeps_the_first_stages_statistics_before_the_blocks(tmp_path):
+    # 2x1 -> 1x2 after epoch 0, no checkpoint before it: the new layout's rank (0, 0) is the old
+    # last stage, which ran the embedder with stale weights; every rank must get the old first stage's.
+    run_workers("buffers_worker.py", 2, str(tmp_path), "direct")
+    ranks = [json.loads((tmp_path / f"buffers_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [e["layout"] for e in ranks[0]["epochs"]] == ["2x1", "1x2", "1x2"]
+    first_stage, last_stage = ranks[1]["embedder_at_epoch_end"][0], ranks[0]["embedder_at_epoch_end"][0]
+    assert first_stage != last_stage
+    assert ranks[0]["final_embedder"] == ranks[1]["final_embedder"] == first_stage
+
+
 @pytest.mark.parametrize("kind", ["iterable", "batch_sampler"])
 def test_a_loader_that_cannot_be_rebatched_keeps_its_replicas(tmp_path, kind):
     output = run_workers("loader_kinds_worker.py", 2, str(tmp_path), kind)

@@ -101,11 +101,13 @@ class AutoDP:
         """Move from ``engine``'s layout to ``plan``'s; returns the new engine and what was done."""
         started = time.perf_counter()
         old_plan = engine.plan
+        # Buffers outside the blocks from the ranks that kept them current in the old layout (its
+        # first stage's for pre, its last stage's for the rest): the new layout's may not have.
+        engine.share_outer_buffers()
         self.moving = True
         engine.close(restore_weights=False)
         received, nbytes = move_blocks(blocks, optimizers, store, old_plan, plan, rank, device)
         new_engine = build_engine(plan)
-        new_engine.share_outer_buffers()
         self.moving = False
         reload_dataloaders(trainer)
         seconds = time.perf_counter() - started

@@ -1,8 +1,9 @@
 """A tiny HF ResNet (BatchNorm in every block) through a 2x1 -> 1x2 transition on 2 processes.
 
-Usage: torchrun --nproc_per_node=2 buffers_worker.py OUT_DIR
+Usage: torchrun --nproc_per_node=2 buffers_worker.py OUT_DIR [direct]
 Every rank writes OUT_DIR/buffers_rank<N>.json: the layout, and every block's BatchNorm
-statistics at the start of each epoch and after fit.
+statistics at the start of each epoch and after fit. ``direct``: 3 of 4 blocks freeze after
+epoch 0, so the layout goes from 2x1 to 1x2 at once, and no checkpoint is written before.
 """
 
 import json
@@ -73,8 +74,8 @@ def embedder_statistics(module: pl.LightningModule) -> list[float]:
 class Recorder(Callback):
     """Put it before FreezeCallback: its epoch end runs before a decision's transition."""
 
-    def __init__(self, out_dir: str):
-        self.out_dir = out_dir
+    def __init__(self, out_dir: str, save: bool):
+        self.out_dir, self.save = out_dir, save
         self.epochs = []
         self.embedder_at_epoch_end = []
 
@@ -84,18 +85,18 @@ class Recorder(Callback):
 
     def on_train_epoch_end(self, trainer, pl_module):
         self.embedder_at_epoch_end.append(embedder_statistics(pl_module))
-        if trainer.current_epoch == 0:
+        if trainer.current_epoch == 0 and self.save:
             trainer.save_checkpoint(os.path.join(self.out_dir, "epoch0.ckpt"))
 
 
 def main():
-    out_dir = sys.argv[1]
-    recorder = Recorder(out_dir)
+    out_dir, direct = sys.argv[1], sys.argv[2:] == ["direct"]
+    recorder = Recorder(out_dir, save=not direct)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=ElasticPipelineStrategy(pipeline_length=2, num_microbatches=2, profile_steps=0, cache=False),
-        callbacks=[recorder, FreezeCallback(alpha=1 / 2, signal="schedule")],
+        callbacks=[recorder, FreezeCallback(alpha=3 / 4 if direct else 1 / 2, signal="schedule")],
         max_epochs=3,
         logger=False,
         enable_checkpointing=False,
