@@ -151,9 +151,14 @@ class GradientSync:
             self._window_open = True
             return
         if self._armed_step:
+            stepped = self._stepped()
             if self.buckets or self.late_buckets:
-                self._check_zeroed()
+                self._check_zeroed(stepped)
+            # A weight no optimizer zeroes keeps its gradient, the reduced one adds to it (a window's
+            # later steps reduce it with their earlier gradients already).
+            kept = [] if self._earlier is not None else self._kept_grads(stepped)
             wait_and_install(self.buckets + self.late_buckets)
+            _accumulate([p for p, _ in kept], [g for _, g in kept])
             _accumulate(self._local, [fresh[self._order[id(p)]] for p in self._local])
             if self.topology.layout.world_size > 1:
                 self._check_unexpected(fresh)
@@ -186,12 +191,26 @@ class GradientSync:
         return None if self._earlier is None else self._earlier.get(id(param))
 
     # ---------------------------------------------------------- checks
-    def _check_zeroed(self) -> None:
-        """The buckets assumed that Lightning zeroes ``.grad`` exactly at the start of a window."""
+    def _stepped(self) -> set[int] | None:
+        """Ids of the weights the optimizers step (and Lightning zeroes); None if no optimizer is known."""
+        stepped = {id(p) for opt in self.optimizers() for group in opt.param_groups for p in group["params"]}
+        return stepped or None
+
+    def _kept_grads(self, stepped: set[int] | None) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """The gradients of bucketed weights that no optimizer steps: they add up, as in one process."""
+        if stepped is None:
+            return []
+        bucketed = [p for bucket in self.buckets + self.late_buckets for p in bucket.params]
+        return [(p, p.grad) for p in bucketed if id(p) not in stepped and p.grad is not None]
+
+    def _check_zeroed(self, stepped: set[int] | None) -> None:
+        """The buckets assumed that Lightning zeroes ``.grad`` exactly at the start of a window
+        (of the optimizers' weights: a trainable weight outside them keeps adding up, as in one process)."""
+        params = self.all_params if stepped is None else [p for p in self.all_params if id(p) in stepped]
         if self._earlier is not None:
-            kept = all(p.grad is self._earlier[id(p)] for p in self.all_params if id(p) in self._earlier)
+            kept = all(p.grad is self._earlier[id(p)] for p in params if id(p) in self._earlier)
         else:
-            left = [p.grad.detach() for p in self.all_params if p.grad is not None and p.grad.numel()]
+            left = [p.grad.detach() for p in params if p.grad is not None and p.grad.numel()]
             kept = not left or not bool(torch.stack([g.abs().amax().float() for g in left]).amax() > 0)
         if not kept:
             raise RuntimeError(
@@ -288,13 +307,22 @@ class GradientSync:
         if not self._stale:
             return
         self._stale = False
-        layout = self.topology.layout
-        owners = {}
+        broadcast_shared(self.shared_params, self._owners(), list(optimizers), self.device)
+
+    def share_weights(self) -> None:
+        """Give every rank the current shared weights, without their optimizer state (which
+        stays stale until :meth:`share`). A collective over the world."""
+        if self._stale:
+            broadcast_shared(self.shared_params, self._owners(), [], self.device)
+
+    def _owners(self) -> dict[int, int]:
+        """The global rank each shared weight is copied from: replica 0's stage that updates it."""
+        layout, owners = self.topology.layout, {}
         for param in self.shared_params:
             stage = self.owner_stage(param)
             if stage is not None:
                 owners[id(param)] = layout.rank(0, stage)
-        broadcast_shared(self.shared_params, owners, list(optimizers), self.device)
+        return owners
 
     def close(self) -> None:
         """Remove the hooks and free the process groups this object created."""

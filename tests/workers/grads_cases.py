@@ -32,6 +32,7 @@ TWO_PROCESS_CASES = [
     # the overlapped sync, and non-reentrant across stages.
     _case("bert_1x2_checkpointing", "bert", 1, bucket_cap_mb=0.01, checkpointing="reentrant"),
     _case("bert_2x1_checkpointing", "bert", 2, checkpointing="non_reentrant"),
+    _case("bert_1x2_pooler_outside_the_optimizer", "pooler_outside_the_optimizer", 1, bucket_cap_mb=0.01),
 ]
 FOUR_PROCESS_CASES = [
     # GPT-2's embedding is tied to its head: reduced over stages 0 and 3 only, a group of its own.
@@ -81,7 +82,22 @@ class SometimesHead(Bert):
         return out.loss + (self.extra_head(out.logits).mean() if batch_idx % 2 else 0.0)
 
 
-MODULES = {"bert": Bert, "skips_zero_grad": SkipsZeroGrad, "sometimes_head": SometimesHead}
+class PoolerOutsideTheOptimizer(Bert):
+    """Leaves the trainable pooler out of its optimizer: its ``.grad`` is never zeroed and adds up
+    from step to step, as one process and Lightning's DDP let it."""
+
+    def configure_optimizers(self):
+        pooler = {id(p) for p in self.model.bert.pooler.parameters()}
+        params = [p for p in self.parameters() if id(p) not in pooler]
+        return torch.optim.AdamW(params, lr=self.hparams.lr, eps=1e-6)
+
+
+MODULES = {
+    "bert": Bert,
+    "skips_zero_grad": SkipsZeroGrad,
+    "sometimes_head": SometimesHead,
+    "pooler_outside_the_optimizer": PoolerOutsideTheOptimizer,
+}
 ERROR_CASES = [
     _case("skips_zero_grad", "skips_zero_grad", 1, bucket_cap_mb=0.01),
     _case("sometimes_head", "sometimes_head", 1),
