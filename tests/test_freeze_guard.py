@@ -6,6 +6,7 @@ import pytest
 import tiny_models as tm
 import torch
 from distributed import run_workers
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_pipetx import FreezeCallback
 from lightning_pipetx.callbacks.freeze_guard import FreezeGuard
@@ -41,11 +42,11 @@ class ScriptedAccuracy(tm.TinySequentialRegressor):
         self.log("val_acc", self.accuracies[self.current_epoch])
 
 
-def fit(accuracies, trainer_kwargs=None, **freeze_kwargs):
+def fit(accuracies, trainer_kwargs=None, callbacks=(), ckpt_path=None, **freeze_kwargs):
     freeze = FreezeCallback(alpha=1 / 3, signal="schedule", **freeze_kwargs)
-    trainer = tm.make_trainer([freeze], max_epochs=len(accuracies), **(trainer_kwargs or {}))
+    trainer = tm.make_trainer([freeze, *callbacks], max_epochs=len(accuracies), **(trainer_kwargs or {}))
     loader = tm.task_loader("sequential", size=16)
-    trainer.fit(ScriptedAccuracy(accuracies), loader, loader)
+    trainer.fit(ScriptedAccuracy(accuracies), loader, loader, ckpt_path=ckpt_path)
     return freeze, trainer
 
 
@@ -86,6 +87,21 @@ def test_the_guard_state_is_restored_from_a_checkpoint():
         }
     )
     assert guarded.guard.best == 0.9 and guarded.guard.stopped and guarded.frozen_blocks == 3
+
+
+def test_a_run_resumed_between_validation_and_the_decision_judges_that_validation(tmp_path):
+    """ModelCheckpoint(save_on_train_epoch_end=False) writes in on_validation_end, before the epoch's
+    decision; the resumed run takes that decision without validating again."""
+    accuracies = [0.80, 0.85, 0.80, 0.90, 0.95]
+    checkpoints = dict(dirpath=tmp_path, save_top_k=-1, save_on_train_epoch_end=False, filename="{epoch}")
+    options = dict(monitor="val_acc", tolerance=0.02)
+    first, _ = fit(accuracies, {"enable_checkpointing": True}, [ModelCheckpoint(**checkpoints)], **options)
+    assert first.frozen_blocks == 4 and first.guard.stopped  # epoch 2's 0.80 stopped it
+    saved = torch.load(tmp_path / "epoch=2.ckpt", weights_only=False)["callbacks"]["FreezeCallback"]
+    assert saved["guard"] == {"best": pytest.approx(0.85), "stopped": False}
+    assert saved["observed"] == pytest.approx(0.80)
+    resumed, _ = fit(accuracies, ckpt_path=tmp_path / "epoch=2.ckpt", **options)
+    assert resumed.frozen_blocks == 4 and resumed.guard.stopped
 
 
 def test_a_monitor_that_is_not_logged_fails_with_the_logged_names():

@@ -119,7 +119,7 @@ class FreezeCallback(Callback):
         self._epoch_samples = 0
         self._epoch_seconds = 0.0
         self._last_tick = 0.0
-        self._validated = False  # a validation ran since the last epoch's end (the guard's evidence)
+        self._observed: float | None = None  # the guard's metric at the last validation since the epoch's end
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -223,7 +223,9 @@ class FreezeCallback(Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Validation inside a training epoch is not training time.
         self._last_tick = time.perf_counter()
-        self._validated = self._validated or not trainer.sanity_checking
+        if self.guard is not None and not trainer.sanity_checking:
+            # Read here: a checkpoint written after this hook, before the epoch's decision, keeps it.
+            self._observed = self.guard.read(trainer.callback_metrics)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -295,9 +297,9 @@ class FreezeCallback(Callback):
         if callable(cache_stats):  # ElasticPipelineStrategy's AutoCache; a collective call
             for name, value in cache_stats().items():
                 pl_module.log(f"pipetx/{name}", value, on_step=False, on_epoch=True, sync_dist=True)
-        if self.guard is not None and not self.guard.stopped and self._validated:
+        if self.guard is not None and not self.guard.stopped and self._observed is not None:
             self._watch(trainer)
-        self._validated = False
+        self._observed = None
         stopped = self.guard is not None and self.guard.stopped
         if self._decides_after(trainer.current_epoch) and not stopped and ran_every_batch(trainer):
             self._decide(trainer)
@@ -310,7 +312,7 @@ class FreezeCallback(Callback):
         """The guard: stop freezing, on every rank alike, once the monitored metric degraded. It
         judges the mean over the ranks (a collective): a metric logged without ``sync_dist``
         holds each replica's share of the validation set, whose number can change."""
-        value = float(all_reduce_mean(torch.tensor([self.guard.read(trainer.callback_metrics)]))[0])
+        value = self._mean_observed()
         if self.guard.judge(value):
             self.guard.stopped = True
             if trainer.is_global_zero:
@@ -325,6 +327,9 @@ class FreezeCallback(Callback):
                     self.frozen_blocks,
                     self.split.num_blocks,
                 )
+
+    def _mean_observed(self) -> float:
+        return float(all_reduce_mean(torch.tensor([self._observed]))[0])
 
     def _decide(self, trainer: pl.Trainer) -> None:
         grad_norms = None
@@ -387,6 +392,7 @@ class FreezeCallback(Callback):
             "norm_sums": None if sums is None else sums.tolist(),
             "norm_steps": steps,
             "guard": None if self.guard is None else self.guard.state_dict(),
+            "observed": None if self._observed is None else self._mean_observed(),  # not judged yet
             "pre_weights": self._pre_weights,
         }
 
@@ -401,3 +407,4 @@ class FreezeCallback(Callback):
         self._add_pre_weights()
         if self.guard is not None and state_dict.get("guard") is not None:
             self.guard.load_state_dict(state_dict["guard"])
+            self._observed = state_dict.get("observed")
