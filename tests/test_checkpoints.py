@@ -9,6 +9,7 @@ import torch
 from distributed import run_workers
 from elastic_cases import build_module, reference_run
 from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from lightning_pipetx.strategy.checkpoint import atomic_save
 
@@ -65,6 +66,14 @@ def test_a_single_device_checkpoint_resumes_under_the_strategy(reference, tmp_pa
         "elastic_worker.py", 2, str(tmp_path), "bert", "resume", str(tmp_path / "single" / "epoch=1-step=8.ckpt")
     )
     _assert_same_weights(torch.load(tmp_path / "final.pt", weights_only=True)["state"], reference["state"])
+
+
+def test_an_asynchronous_checkpoint_io_writes_the_file_itself(tmp_path):
+    path, io = tmp_path / "last.ckpt", AsyncCheckpointIO(TorchCheckpointIO())
+    atomic_save(io, {"weights": torch.ones(3)}, path)  # queued: it writes after this returns
+    io.teardown()  # waits for the write
+    assert torch.equal(torch.load(path, weights_only=True)["weights"], torch.ones(3))
+    assert list(tmp_path.iterdir()) == [path]
 
 
 def test_a_failed_write_leaves_the_previous_checkpoint_whole(tmp_path):

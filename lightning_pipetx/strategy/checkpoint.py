@@ -16,6 +16,7 @@ import fsspec
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch import nn
 from torch.optim import Optimizer
 
@@ -60,9 +61,10 @@ def _to_cpu(value: Any) -> Any:
 
 
 def atomic_save(checkpoint_io: CheckpointIO, checkpoint: dict[str, Any], filepath: str) -> None:
-    """Write through ``checkpoint_io`` to a temporary file, then rename it into place."""
+    """Write through ``checkpoint_io`` to a temporary file, then rename it into place (not for a
+    remote store, nor for Lightning's ``AsyncCheckpointIO``, which writes after it returns)."""
     path = os.fspath(filepath)
-    if fsspec.utils.get_protocol(path) != "file":  # a remote store: no rename
+    if fsspec.utils.get_protocol(path) != "file" or isinstance(checkpoint_io, AsyncCheckpointIO):
         checkpoint_io.save_checkpoint(checkpoint, path)
         return
     partial = f"{path}.partial"
