@@ -314,6 +314,24 @@ def test_dynamic_padding_is_refused_with_a_clear_message(tmp_path, caplog):
     assert all(rate in (None, 0.0) for rate in rates)
 
 
+def drop_first_row(samples):
+    """A collate_fn that filters a sample out of every batch (as one that skips unreadable samples)."""
+    return {k: torch.stack([s[k] for s in samples[1:]]) for k in samples[0]}
+
+
+def test_a_collate_fn_that_drops_rows_switches_the_cache_off_and_stays_exact(tmp_path, caplog):
+    data = tm.RandomTokenDataset(size=32, seed=1)
+    uncached, _, _ = fit(False, data, tmp_path, collate_fn=drop_first_row)
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        cached, rates, _ = fit("auto", data, tmp_path, collate_fn=drop_first_row)
+    _same(cached, uncached)
+    messages = " ".join(r.message for r in caplog.records)
+    assert "AutoCache switched off" in messages and "a batch of 7 rows was made of 8 samples" in messages
+    assert all(rate in (None, 0.0) for rate in rates)
+    with pytest.raises(ValueError, match=r"cache=True\): a batch of 7 rows was made of 8 samples"):
+        fit(True, data, tmp_path, collate_fn=drop_first_row)
+
+
 def test_beyond_the_ram_budget_the_cache_spills_to_disk(tmp_path):
     data = tm.RandomTokenDataset(size=32, seed=1)
     uncached, _, _ = fit(False, data, tmp_path, freeze_interval=2)

@@ -3,12 +3,12 @@
 * :func:`trainable_prefix_weights`: a weight of ``pre`` or of a frozen block that still
   requires a gradient (GPT-2's input embedding, tied to its LM head) would make a cached
   state stale and lose its gradient.
-* :class:`InputGuard`: a fingerprint of every sample's input, kept on the training device;
+* :class:`InputGuard`: a fingerprint of every sample's input tensors, kept on the training device;
   a sample whose input changed since the last epoch that saw it (random augmentation,
   dynamic padding) is counted on the device, without a host copy, once per epoch, when the
   count is read. The cache serves nothing before one such check of the loaded batches has
-  passed, so a stale state is never read for a change the loader makes: the epoch that fills
-  the cache is always compared with an earlier one. A second guard watches what enters the
+  passed, so a stale state is never read for a change the loader makes to a tensor: the epoch
+  that fills the cache is always compared with an earlier one. A second guard watches what enters the
   frozen blocks (the output of the frozen embeddings), which a ``training_step`` that changes
   its batch before the model call (noise, masking) changes too: that is found one epoch after
   the first one served from the cache, and switches it off. (Only the hidden state is compared:

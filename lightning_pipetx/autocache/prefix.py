@@ -34,6 +34,8 @@ class CachedPrefix:
         """Record the batch's inputs; the per-micro-batch context when ``depth`` frozen blocks can be cached."""
         cache = self.cache
         cache.flush_writes()
+        if cache.enabled and not _rows_are_samples(batch, len(indices), sizes):
+            self._refuse_rows(sum(sizes), len(indices))
         self._observe_input(indices, batch)
         if depth == 0 or not cache.enabled:
             return None
@@ -44,6 +46,15 @@ class CachedPrefix:
         """Start reading the next batch's states while this step's work finishes."""
         if upcoming is not None and depth > 0 and self.cache.enabled:
             self.cache.prefetch(upcoming, depth)
+
+    def _refuse_rows(self, rows: int, samples: int) -> None:
+        reason = (
+            f"a batch of {rows} rows was made of {samples} samples (a collate_fn that drops or adds rows), so its "
+            f"rows cannot be matched with the samples whose states are cached"
+        )
+        if self.cache.force:
+            raise ValueError(f"ElasticPipelineStrategy(cache=True): {reason}. Pass cache=False (or cache='auto').")
+        self.cache.disable(reason + ".")
 
     def _observe_input(self, indices: torch.Tensor, batch: Any) -> None:
         self.cache.guard.observe(indices, sample_fingerprints(batch, len(indices), self.device))
@@ -110,6 +121,12 @@ class CachedPrefix:
             hooks.on_first_block = hooks.on_capture = hooks.on_prefix_input = None
             if captured_state is not None:
                 cache.store(indices, depth, captured_state)
+
+
+def _rows_are_samples(batch: Any, samples: int, sizes: list[int]) -> bool:
+    """Whether the batch holds one row per sample: its micro-batches add up to the samples and
+    some tensor has that many rows."""
+    return sum(sizes) == samples and any(t.dim() > 0 and t.shape[0] == samples for t in _tensors(batch))
 
 
 def _sample_shapes(batch: Any) -> list[tuple[int, ...]]:
