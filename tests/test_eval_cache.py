@@ -7,10 +7,11 @@ import pytest
 import tiny_models as tm
 import torch
 from distributed import run_workers
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, StochasticWeightAveraging
 from torch.utils.data import DataLoader
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
+from lightning_pipetx.strategy.lightning_compat import WeightAveragingError
 
 
 class ValidationRecord(Callback):
@@ -31,7 +32,7 @@ class ValidationRecord(Callback):
         self.rates.append(None if rate is None else float(rate))
 
 
-def fit(cache, tmp_path, val_data=None, module=None, epochs=4, sanity_steps=0, val_loaders=None):
+def fit(cache, tmp_path, val_data=None, module=None, epochs=4, sanity_steps=0, val_loaders=None, callbacks=()):
     module = module or tm.TinyBertClassifier(seed=0, dropout=0.0)
     record = ValidationRecord()
     trainer = pl.Trainer(
@@ -39,7 +40,7 @@ def fit(cache, tmp_path, val_data=None, module=None, epochs=4, sanity_steps=0, v
         devices=1,
         strategy=ElasticPipelineStrategy(cache=cache, profile_steps=0, cache_dir=str(tmp_path / "spill")),
         max_epochs=epochs,
-        callbacks=[FreezeCallback(alpha=1 / 2, signal="schedule"), record],
+        callbacks=[FreezeCallback(alpha=1 / 2, signal="schedule"), record, *callbacks],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -75,6 +76,38 @@ def test_validation_inputs_that_change_keep_only_the_validation_cache_off(tmp_pa
     assert not any(m.startswith("pipetx: AutoCache switched off") for m in messages)
     assert record.served == [(0, 0), (0, 24), None, None]  # off once the second validation compared them
     assert trainer.callback_metrics["pipetx/cache_hit_rate"] == 1.0  # training still cached
+
+
+def test_validation_with_ema_weights_is_never_served_and_stays_exact(tmp_path, caplog):
+    """EMA swaps its averages, which keep moving in the frozen prefix, into the model for each validation."""
+    _, plain, _ = fit(False, tmp_path, callbacks=[EMAWeightAveraging(decay=0.5)])
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        _, record, trainer = fit(True, tmp_path, callbacks=[EMAWeightAveraging(decay=0.5)])
+    assert record.losses == plain.losses
+    assert record.served == [None] * 4
+    assert any(
+        "validation cache switched off" in r.message and "EMAWeightAveraging" in r.message for r in caplog.records
+    )
+    assert trainer.callback_metrics["pipetx/cache_hit_rate"] == 1.0  # training never sees the averages
+
+
+class BatchNormHead(tm.TinyBertClassifier):
+    """A batch norm before the classifier: SWA then adds an epoch trained with its averaged weights."""
+
+    def __init__(self):
+        super().__init__(seed=0, dropout=0.0)
+        self.model.classifier = torch.nn.Sequential(torch.nn.BatchNorm1d(tm.HIDDEN), self.model.classifier)
+
+
+@pytest.mark.parametrize("module", [BatchNormHead, None], ids=["batch_norm", "no_batch_norm"])
+def test_swa_that_trains_on_its_averages_is_refused_by_a_forced_cache(tmp_path, module):
+    swa = StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=2)
+    if module is None:  # SWA copies its averages in after the last epoch only: the cache serves
+        _, _, trainer = fit(True, tmp_path, callbacks=[swa])
+        assert trainer.callback_metrics["pipetx/cache_hit_rate"] == 1.0
+        return
+    with pytest.raises(WeightAveragingError, match=r"cache=True\): StochasticWeightAveraging copies averaged"):
+        fit(True, tmp_path, module=module(), callbacks=[swa])
 
 
 class HiddenStatesInValidation(tm.TinyBertClassifier):

@@ -48,6 +48,7 @@ class CacheControl:
         self.cache: AutoCache | None = None
         self.eval_cache: AutoCache | None = None
         self._refusal: str | None = None
+        self._validation_refusal: str | None = None
 
     def open(
         self, run_token: str, node_rank: int, num_samples: int, device: torch.device, share_host: bool
@@ -75,6 +76,8 @@ class CacheControl:
         cache.force = self.mode is True and training  # validation is never served a state its input outdated
         if self._refusal is not None:
             cache.disable(self._refusal + ".", warn=training)  # the training cache says why
+        elif self._validation_refusal is not None and not training:
+            cache.disable(self._validation_refusal + ".")
         return cache
 
     def _caches(self) -> list[AutoCache]:
@@ -92,6 +95,7 @@ class CacheControl:
     def refuse_validation(self, reason: str) -> None:
         """The validation cache cannot serve this run: off with a warning; validation computes
         every block from now on (training keeps its cache)."""
+        self._validation_refusal = reason
         if self.eval_cache is not None and self.eval_cache.enabled:
             self.eval_cache.disable(reason + ".")
 

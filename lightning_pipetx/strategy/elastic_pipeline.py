@@ -28,10 +28,13 @@ from lightning_pipetx.strategy.engine import PipelineEngine
 from lightning_pipetx.strategy.failure import FailureAgreement, explain_training_outputs, restore_after_failure
 from lightning_pipetx.strategy.host_memory import reuse_for_training
 from lightning_pipetx.strategy.lightning_compat import (
+    WeightAveragingError,
     check_lightning_internals,
     clip_norm_over_stages,
     refuse_weight_averaging,
     restore_clipping,
+    trains_on_averaged_weights,
+    weight_averaging,
 )
 from lightning_pipetx.strategy.loss_scaling import agreeing_scaler, refuse_unagreed_overflow
 from lightning_pipetx.strategy.model_checks import (
@@ -271,6 +274,8 @@ class ElasticPipelineStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
             refuse_unagreed_overflow(self.optimizers, scaler, plan.layout.pipeline_length)
             refuse_weight_averaging(trainer.callbacks, plan.layout.pipeline_length)
+            for callback in weight_averaging(trainer.callbacks):
+                self._refuse_cache_for_averaging(callback)
         self.engine = self._build_engine(plan)
         self.engine.profile_steps = self.profile_steps
         drop_optimizer_state(self._split.blocks, self.optimizers, self.engine.block_range)
@@ -423,6 +428,17 @@ class ElasticPipelineStrategy(DDPStrategy):
             self._autocache.refuse(reason, UnsupportedOutputsError, "Pass cache=False (or cache='auto').")
         else:
             self._autocache.refuse_validation(reason)
+
+    def _refuse_cache_for_averaging(self, callback: pl.Callback) -> None:
+        """A weight-averaging callback puts averaged weights into the model, frozen prefix included,
+        which the cached states were not computed with: SWA for the epoch it adds to update batch
+        norms, EMA for each validation."""
+        name = type(callback).__name__
+        if trains_on_averaged_weights(callback, self.lightning_module):
+            reason = f"{name} copies averaged weights into the model, the frozen prefix's too, for an epoch of training"
+            self._autocache.refuse(reason, WeightAveragingError, f"Pass cache=False (or cache='auto'), or drop {name}.")
+        else:
+            self._autocache.refuse_validation(f"{name} validates with averaged weights, frozen prefix included")
 
     def _require_engine(self) -> PipelineEngine:
         if self.engine is None:

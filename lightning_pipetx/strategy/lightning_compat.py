@@ -100,7 +100,26 @@ def check_lightning_internals(trainer: pl.Trainer, internals: tuple[Internal, ..
 
 
 class WeightAveragingError(ValueError):
-    """A callback that averages every weight after each step, under a pipeline."""
+    """A weight-averaging callback the strategy cannot run exactly: under a pipeline, or with
+    ``cache=True`` where it copies averaged weights into the model for training."""
+
+
+def weight_averaging(callbacks: list[pl.Callback]) -> list[pl.Callback]:
+    """Lightning's weight-averaging callbacks among ``callbacks`` (EMA and other ``WeightAveraging``, SWA)."""
+    kinds = tuple(
+        getattr(pl.callbacks, name)
+        for name in ("WeightAveraging", "StochasticWeightAveraging")
+        if hasattr(pl.callbacks, name)  # WeightAveraging is newer than Lightning 2.4
+    )
+    return [callback for callback in callbacks if isinstance(callback, kinds)]
+
+
+def trains_on_averaged_weights(callback: pl.Callback, module: pl.LightningModule) -> bool:
+    """Whether ``callback`` copies its averages into the model for training: SWA does, for an
+    epoch it adds to update a model's batch norms (``WeightAveraging`` swaps them in for each
+    validation only)."""
+    swa = pl.callbacks.StochasticWeightAveraging
+    return isinstance(callback, swa) and swa.pl_module_contains_batch_norm(module)
 
 
 def refuse_weight_averaging(callbacks: list[pl.Callback], pipeline_length: int) -> None:
@@ -108,20 +127,14 @@ def refuse_weight_averaging(callbacks: list[pl.Callback], pipeline_length: int) 
     weight after each step, and a rank holds only its stage's blocks (the others are placeholders)."""
     if pipeline_length <= 1:
         return
-    kinds = tuple(
-        getattr(pl.callbacks, name)
-        for name in ("WeightAveraging", "StochasticWeightAveraging")
-        if hasattr(pl.callbacks, name)  # WeightAveraging is newer than Lightning 2.4
-    )
-    for callback in callbacks:
-        if isinstance(callback, kinds):
-            name = type(callback).__name__
-            raise WeightAveragingError(
-                f"{name} under a {pipeline_length}-stage pipeline: it averages every weight after each step, but "
-                f"each rank holds only the blocks of its stage, so the other blocks' averages would be of "
-                f"placeholders. Pass ElasticPipelineStrategy(pipeline_length=1) (replicas only), or train without "
-                f"{name}."
-            )
+    for callback in weight_averaging(callbacks):
+        name = type(callback).__name__
+        raise WeightAveragingError(
+            f"{name} under a {pipeline_length}-stage pipeline: it averages every weight after each step, but "
+            f"each rank holds only the blocks of its stage, so the other blocks' averages would be of "
+            f"placeholders. Pass ElasticPipelineStrategy(pipeline_length=1) (replicas only), or train without "
+            f"{name}."
+        )
 
 
 def clip_norm_over_stages(plugin: Precision, clip_by_norm: Callable[[float, Any], None]) -> None:
