@@ -26,6 +26,8 @@ def test_validation_code_after_the_model_call_runs_on_every_stage(everywhere):
     assert [r["seen"]["val_rows"] for r in everywhere] == [[7, 7]] * 4
     assert len({r["metrics"]["val_logit_mean"] for r in everywhere}) == 1
     assert len({r["metrics"]["val_loss"] for r in everywhere}) == 1
+    # A head outside the model call trains on the last stages; validation runs it on every stage.
+    assert len({r["metrics"]["val_head"] for r in everywhere}) == 1
 
 
 def test_a_metric_updated_on_every_stage_counts_each_replica_once(everywhere):

@@ -506,6 +506,7 @@ class ElasticPipelineStrategy(DDPStrategy):
     def on_validation_start(self) -> None:
         trainer = self.lightning_module.trainer
         if trainer.state.fn == TrainerFn.FITTING:
+            self._require_engine().share_updated_weights()
             self._cache_feed.begin_validation(trainer.val_dataloaders, self.world_size)
         self._evaluation_starts()
 

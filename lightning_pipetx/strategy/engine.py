@@ -276,6 +276,12 @@ class PipelineEngine:
         if self.layout.world_size > 1:
             self.grad_sync.share(optimizers)
 
+    def share_updated_weights(self) -> None:
+        """The same for the weights alone, before validation in fit: every stage runs the code
+        after an evaluation step's model call, which may use them (a head outside the model)."""
+        if self.layout.world_size > 1:
+            self.grad_sync.share_weights()
+
     def block_state(self, prefix: str) -> dict[str, torch.Tensor]:
         return gather_block_state(
             self.split.blocks, prefix, self.store, self.layout, self.bounds, self.topology.global_rank
