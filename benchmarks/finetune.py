@@ -55,6 +55,7 @@ def worker(args: argparse.Namespace) -> None:
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.utilities.data import extract_batch_size
     from text_classification import SentimentDataModule, TextClassifier
 
     from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback, find_blocks
@@ -156,7 +157,24 @@ def worker(args: argparse.Namespace) -> None:
             if trainer.current_epoch == 1:
                 torch.manual_seed(args.seed + 1000)
 
-    curve = Curve()
+    class GlobalBatch(Callback):
+        """Checks on the first step that every configuration trains on ``--batch`` samples a step."""
+
+        size: int | None = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step > 0 or batch_idx > 0:
+                return
+            layout = getattr(trainer.strategy, "layout", None)
+            replicas = layout.replicas if layout is not None else trainer.world_size
+            self.size = extract_batch_size(batch) * replicas
+            if self.size != args.batch:
+                raise RuntimeError(
+                    f"{config}: a global batch of {self.size} ({replicas} replicas), not --batch {args.batch}: "
+                    f"the planner chose {layout}; pass --pipeline-length to fix the full system's first layout."
+                )
+
+    curve, global_batch = Curve(), GlobalBatch()
     extra = [Reseed()] if config == "ddp_reseeded" else []
     if config in DIAGNOSTICS:
         extra = [gradient_drop(config, [int(f) for f in args.frozen_schedule.split(",")])]
@@ -170,14 +188,17 @@ def worker(args: argparse.Namespace) -> None:
         strategy=strategy,
         max_epochs=args.epochs,
         precision=args.precision,
-        callbacks=[*callbacks, *extra, curve],
+        callbacks=[*callbacks, *extra, curve, global_batch],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
+    # The loader's batch is one replica's at the start: the full system's first layout may be a pipeline.
     replicas = 1 if config in ("plain", "pipe") else world
+    if config == "full" and length != "auto":
+        replicas = world // length
     data = SentimentDataModule(
         max_train_samples=args.train,
         max_val_samples=args.val,
@@ -194,7 +215,13 @@ def worker(args: argparse.Namespace) -> None:
     test_acc = float(trainer.test(model, data, verbose=False)[0]["test_acc"])
     if trainer.is_global_zero:
         blocks = len(find_blocks(model).blocks)
-        result = {"wall_seconds": wall, "epochs": curve.points, "test_acc": test_acc, "blocks": blocks}
+        result = {
+            "wall_seconds": wall,
+            "epochs": curve.points,
+            "test_acc": test_acc,
+            "blocks": blocks,
+            "global_batch": global_batch.size,
+        }
         Path(args.result_dir, f"{config}_rank0.json").write_text(json.dumps(result))
     if torch.distributed.is_initialized():  # gloo's threads stopped here, not in the interpreter's exit
         torch.distributed.destroy_process_group()
@@ -237,6 +264,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
             "final_val_acc": statistics.mean(r["epochs"][-1]["val_acc"] for r in seeds),
             "best_val_acc": statistics.mean(max(p["val_acc"] for p in r["epochs"]) for r in seeds),
             "test_acc": statistics.mean(r["test_acc"] for r in seeds),
+            "global_batch": seeds[0].get("global_batch"),
         }
         if target is not None:
             reached = [next((p["seconds"] for p in r["epochs"] if p["val_acc"] >= target), None) for r in seeds]

@@ -41,6 +41,8 @@ def test_the_demo_command_compares_ddp_and_the_full_system(tmp_path):
     ddp, full = summary["table"]["ddp"], summary["table"]["full"]
     assert ddp["speedup_vs_ddp"] == pytest.approx(1.0)
     assert full["layouts"][0] == "2x1" and ddp["layouts"] == ["1x2", "1x2"]
+    # A pipeline's first stage reads its replica's whole batch: the same 32 samples a step as DDP's 2 x 16.
+    assert full["global_batch"] == ddp["global_batch"] == 32
     assert full["frozen_per_epoch"][0] == 0 and full["frozen_per_epoch"][1] > 0
     # A transition after epoch 0 (to 1x2, or 2x1 re-balanced around the frozen prefix), timed and set
     # against a DDP epoch of the same run; each epoch lists the layout it trained with.
