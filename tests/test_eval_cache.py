@@ -7,7 +7,7 @@ import pytest
 import tiny_models as tm
 import torch
 from distributed import run_workers
-from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, StochasticWeightAveraging
+from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
 from torch.utils.data import DataLoader
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
@@ -80,9 +80,12 @@ def test_validation_inputs_that_change_keep_only_the_validation_cache_off(tmp_pa
 
 def test_validation_with_ema_weights_is_never_served_and_stays_exact(tmp_path, caplog):
     """EMA swaps its averages, which keep moving in the frozen prefix, into the model for each validation."""
-    _, plain, _ = fit(False, tmp_path, callbacks=[EMAWeightAveraging(decay=0.5)])
+    ema = getattr(pl.callbacks, "EMAWeightAveraging", None)
+    if ema is None:
+        pytest.skip("this Lightning has no EMAWeightAveraging (added in 2.6)")
+    _, plain, _ = fit(False, tmp_path, callbacks=[ema(decay=0.5)])
     with caplog.at_level("WARNING", logger="lightning_pipetx"):
-        _, record, trainer = fit(True, tmp_path, callbacks=[EMAWeightAveraging(decay=0.5)])
+        _, record, trainer = fit(True, tmp_path, callbacks=[ema(decay=0.5)])
     assert record.losses == plain.losses
     assert record.served == [None] * 4
     assert any(
@@ -102,9 +105,10 @@ class BatchNormHead(tm.TinyBertClassifier):
 @pytest.mark.parametrize("module", [BatchNormHead, None], ids=["batch_norm", "no_batch_norm"])
 def test_swa_that_trains_on_its_averages_is_refused_by_a_forced_cache(tmp_path, module):
     swa = StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=2)
-    if module is None:  # SWA copies its averages in after the last epoch only: the cache serves
-        _, _, trainer = fit(True, tmp_path, callbacks=[swa])
+    if module is None:  # SWA copies its averages in after the last epoch only: both caches serve
+        _, record, trainer = fit(True, tmp_path, callbacks=[swa])
         assert trainer.callback_metrics["pipetx/cache_hit_rate"] == 1.0
+        assert record.served[-1] == (24, 24)
         return
     with pytest.raises(WeightAveragingError, match=r"cache=True\): StochasticWeightAveraging copies averaged"):
         fit(True, tmp_path, module=module(), callbacks=[swa])

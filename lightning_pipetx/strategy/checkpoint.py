@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.optim import Optimizer
 
@@ -64,6 +65,8 @@ def atomic_save(checkpoint_io: CheckpointIO, checkpoint: dict[str, Any], filepat
     """Write through ``checkpoint_io`` to a temporary file, then rename it into place (not for a
     remote store, nor for Lightning's ``AsyncCheckpointIO``, which writes after it returns)."""
     path = os.fspath(filepath)
+    if isinstance(checkpoint_io, AsyncCheckpointIO):  # its thread writes later: copy what training changes
+        checkpoint = apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().clone())
     if fsspec.utils.get_protocol(path) != "file" or isinstance(checkpoint_io, AsyncCheckpointIO):
         checkpoint_io.save_checkpoint(checkpoint, path)
         return

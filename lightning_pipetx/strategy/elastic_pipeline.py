@@ -29,11 +29,11 @@ from lightning_pipetx.strategy.failure import FailureAgreement, explain_training
 from lightning_pipetx.strategy.host_memory import reuse_for_training
 from lightning_pipetx.strategy.lightning_compat import (
     WeightAveragingError,
+    averaged_weights_used_in,
     check_lightning_internals,
     clip_norm_over_stages,
     refuse_weight_averaging,
     restore_clipping,
-    trains_on_averaged_weights,
     weight_averaging,
 )
 from lightning_pipetx.strategy.loss_scaling import agreeing_scaler, refuse_unagreed_overflow
@@ -275,7 +275,8 @@ class ElasticPipelineStrategy(DDPStrategy):
             refuse_unagreed_overflow(self.optimizers, scaler, plan.layout.pipeline_length)
             refuse_weight_averaging(trainer.callbacks, plan.layout.pipeline_length)
             for callback in weight_averaging(trainer.callbacks):
-                self._refuse_cache_for_averaging(callback)
+                used_in = averaged_weights_used_in(callback, self.lightning_module, trainer.max_epochs)
+                self._refuse_cache_for_averaging(type(callback).__name__, used_in)
         self.engine = self._build_engine(plan)
         self.engine.profile_steps = self.profile_steps
         drop_optimizer_state(self._split.blocks, self.optimizers, self.engine.block_range)
@@ -429,15 +430,14 @@ class ElasticPipelineStrategy(DDPStrategy):
         else:
             self._autocache.refuse_validation(reason)
 
-    def _refuse_cache_for_averaging(self, callback: pl.Callback) -> None:
+    def _refuse_cache_for_averaging(self, name: str, used_in: str | None) -> None:
         """A weight-averaging callback puts averaged weights into the model, frozen prefix included,
         which the cached states were not computed with: SWA for the epoch it adds to update batch
-        norms, EMA for each validation."""
-        name = type(callback).__name__
-        if trains_on_averaged_weights(callback, self.lightning_module):
+        norms (``used_in="training"``), EMA for each validation."""
+        if used_in == "training":
             reason = f"{name} copies averaged weights into the model, the frozen prefix's too, for an epoch of training"
             self._autocache.refuse(reason, WeightAveragingError, f"Pass cache=False (or cache='auto'), or drop {name}.")
-        else:
+        elif used_in == "validation":
             self._autocache.refuse_validation(f"{name} validates with averaged weights, frozen prefix included")
 
     def _require_engine(self) -> PipelineEngine:

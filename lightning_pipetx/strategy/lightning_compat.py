@@ -114,12 +114,16 @@ def weight_averaging(callbacks: list[pl.Callback]) -> list[pl.Callback]:
     return [callback for callback in callbacks if isinstance(callback, kinds)]
 
 
-def trains_on_averaged_weights(callback: pl.Callback, module: pl.LightningModule) -> bool:
-    """Whether ``callback`` copies its averages into the model for training: SWA does, for an
-    epoch it adds to update a model's batch norms (``WeightAveraging`` swaps them in for each
-    validation only)."""
+def averaged_weights_used_in(callback: pl.Callback, module: pl.LightningModule, max_epochs: int | None) -> str | None:
+    """Where a weight-averaging ``callback`` puts its averages into the model during fit:
+    ``"training"`` (SWA, for the epoch it adds to update a model's batch norms when the epochs
+    are limited), ``"validation"`` (``WeightAveraging`` swaps them in for each validation), or
+    None (SWA otherwise copies them in after the last epoch only)."""
     swa = pl.callbacks.StochasticWeightAveraging
-    return isinstance(callback, swa) and swa.pl_module_contains_batch_norm(module)
+    if not isinstance(callback, swa):
+        return "validation"
+    adds_an_epoch = swa.pl_module_contains_batch_norm(module) and max_epochs != -1
+    return "training" if adds_an_epoch else None
 
 
 def refuse_weight_averaging(callbacks: list[pl.Callback], pipeline_length: int) -> None:
