@@ -55,7 +55,7 @@ STRICT_CASES = {
 
 @pytest.mark.parametrize("rules", [STRICT, COALESCED], ids=["strict", "coalesced"])
 @pytest.mark.parametrize("nprocs", sorted(STRICT_CASES))
-def test_schedules_finish_and_stay_exact_under_strict_sends(nprocs, rules, tmp_path):
+def test_schedules_finish_and_stay_exact_under_nccls_rules(nprocs, rules, tmp_path):
     cases = STRICT_CASES[nprocs]
     run_workers("equivalence_worker.py", nprocs, str(tmp_path), *(json.dumps(c) for c in cases), env=rules)
     for case in cases:

@@ -65,9 +65,10 @@ def atomic_save(checkpoint_io: CheckpointIO, checkpoint: dict[str, Any], filepat
     """Write through ``checkpoint_io`` to a temporary file, then rename it into place (not for a
     remote store, nor for Lightning's ``AsyncCheckpointIO``, which writes after it returns)."""
     path = os.fspath(filepath)
-    if isinstance(checkpoint_io, AsyncCheckpointIO):  # its thread writes later: copy what training changes
+    asynchronous = isinstance(checkpoint_io, AsyncCheckpointIO)
+    if asynchronous:  # its thread writes later: copy what training changes meanwhile
         checkpoint = apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().clone())
-    if fsspec.utils.get_protocol(path) != "file" or isinstance(checkpoint_io, AsyncCheckpointIO):
+    if asynchronous or fsspec.utils.get_protocol(path) != "file":
         checkpoint_io.save_checkpoint(checkpoint, path)
         return
     partial = f"{path}.partial"
