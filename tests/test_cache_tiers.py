@@ -66,6 +66,34 @@ def test_a_depth_spills_to_disk_beyond_the_ram_budget_and_refills_ram_once_older
     cache.close(remove_files=True)
 
 
+def test_a_depth_goes_to_ram_when_only_the_disk_was_measured_slow(tmp_path):
+    row = 3 * 2 * 4
+    cache = _checked(AutoCache(tmp_path / "ram", tmp_path / "spill", 4, ram_budget=4 * row + 4, device_budget=0), 4)
+    indices = torch.arange(4)
+    for depth in (1, 2):  # depth 2 spills to disk, whose reads were then measured slower than computing
+        cache.store(indices, depth, _states(depth, 4))
+    cache.dropped.add("disk")
+    cache.drop_below(3)  # depth 1 freed: RAM has room again
+    cache.store(indices, 3, _states(3, 4))
+    assert cache.tier_bytes("host") == 4 * row
+    assert cache.lookup(indices, 3)[0] == 3
+    cache.close(remove_files=True)
+
+
+def test_a_full_disk_switches_the_cache_off_with_a_warning_instead_of_failing_the_step(tmp_path, monkeypatch, caplog):
+    def full(fd, offset, length):  # no room in RAM nor on the spill disk
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    cache = _checked(AutoCache(tmp_path / "ram", tmp_path / "spill", 4, ram_budget=2**20, device_budget=0), 4)
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        cache.store(torch.arange(4), 1, _states(1, 4))
+    assert not cache.enabled
+    assert "no room for the states of depth 1" in caplog.text and "cache_dir=" in caplog.text
+    assert not list((tmp_path / "spill").glob("depth1*")) and not list((tmp_path / "ram").glob("depth1*"))
+    cache.close(remove_files=True)
+
+
 def _node_caches(tmp_path):
     """Two first stages of one node: their host tiers share the files of one folder."""
     return [_checked(AutoCache(tmp_path / "ram", tmp_path / "spill", 4, 2**20, device_budget=0), 4) for _ in range(2)]

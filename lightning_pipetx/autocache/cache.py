@@ -290,6 +290,13 @@ class AutoCache:
                 f"the cache, or pass cache=False."
             )
             return
+        except OSError as error:  # neither the RAM folder nor the disk has room for the depth
+            self.disable(
+                f"no room for the states of depth {depth} ({nbytes_of(self.num_samples, shape, hidden.dtype) / 2**20:.1f}"
+                f" MiB) in {self.spill_directory.parent} ({error.strerror or error}). Pass cache_dir= a folder with "
+                f"room, or cache=False"
+            )
+            return
         if entry.shape != shape:
             self.disable(
                 f"hidden states of shape {shape} and {entry.shape} at one depth: dynamic padding. Pad every batch "
@@ -335,8 +342,10 @@ class AutoCache:
         rows = self._device_rows(shape, dtype)
         if rows > 0:
             tiers.append(DeviceTier(self.num_samples, rows, shape, dtype, self.device))
-        if (rows < self.num_samples or self.share_host) and "disk" not in self.dropped:
-            tiers.append(self._file_tier(depth, shape, dtype, tuple_len))
+        if rows < self.num_samples or self.share_host:
+            file_tier = self._file_tier(depth, shape, dtype, tuple_len)
+            if file_tier is not None:
+                tiers.append(file_tier)
         self._depths[depth] = entry = _Depth(tiers, tuple_len, shape, dtype)
         return entry
 
@@ -358,7 +367,9 @@ class AutoCache:
         budget -= self.tier_bytes("device")
         return max(0, min(self.num_samples, budget // max(1, nbytes_of(1, shape, dtype))))
 
-    def _file_tier(self, depth: int, shape: tuple[int, ...], dtype: torch.dtype, tuple_len: int) -> FileTier:
+    def _file_tier(self, depth: int, shape: tuple[int, ...], dtype: torch.dtype, tuple_len: int) -> FileTier | None:
+        """The depth's file in RAM where the budget and the mount hold it, else on disk; None where
+        reading either was measured slower than computing. OSError: the disk has no room either."""
         nbytes = nbytes_of(self.num_samples, shape, dtype)
         # Another rank of the node may have placed this depth in RAM already: share its file.
         room = min(self.ram_budget, self.tier_bytes("host") + free_bytes(self.directory))
@@ -375,6 +386,8 @@ class AutoCache:
                     error.strerror,
                     self.spill_directory,
                 )
+        if "disk" in self.dropped:
+            return None
         return FileTier("disk", self.spill_directory, depth, self.num_samples, shape, dtype, tuple_len)
 
     def drop_below(self, depth: int) -> None:
