@@ -182,9 +182,28 @@ def test_nothing_is_served_before_an_input_check_passed_and_a_changed_input_swit
     cache.close(remove_files=True)
 
 
+def test_the_training_and_validation_caches_hold_to_one_device_budget_and_one_ram_budget(tmp_path):
+    row = 3 * 2 * 4
+    control = CacheControl("auto", str(tmp_path), ram_bytes=6 * row, device_bytes=3 * row)
+    cpu = torch.device("cpu")
+    run = tmp_path.name  # the RAM folder is /dev/shm's, shared by every test
+    training = _checked(control.open(run, 0, 4, cpu, share_host=False), 4)
+    validation = _checked(control.open_eval(run, 0, 4, cpu, share_host=False), 4)
+    training.store(torch.arange(4), 1, _states(1, 4))  # 3 rows on the device, the depth's file in RAM
+    validation.store(torch.arange(4), 1, _states(2, 4))  # no device rows left, no room in RAM: disk
+    assert training.tier_bytes("device") == 3 * row and validation.tier_bytes("device") == 0
+    assert training.tier_bytes("host") == 4 * row and validation.tier_bytes("host") == 0
+    assert validation.tier_bytes("disk") == 4 * row
+    level, states, _ = validation.lookup(torch.arange(4), 1)
+    assert level == 1 and states.eq(2.0).all()
+    stats = control.epoch_stats(cpu, world_size=1)
+    assert (stats["cache_device_bytes"], stats["cache_ram_bytes"], stats["cache_disk_bytes"]) == (3 * row, 4 * row, 4 * row)
+    control.close(remove_files=True)
+
+
 def test_a_tier_measured_slower_than_the_prefix_is_dropped_and_autopipe_stops_counting_it_free(tmp_path, caplog):
     control = CacheControl("auto", str(tmp_path), ram_bytes=2**20, device_bytes=0)
-    cache = _checked(control.open("run", 0, 4, torch.device("cpu"), share_host=False), 4)
+    cache = _checked(control.open(tmp_path.name, 0, 4, torch.device("cpu"), share_host=False), 4)
     cache.store(torch.arange(4), 2, _states(2, 4))
     # What the stopwatch resolved from the last epoch: a read of a sample from RAM took 1 ms,
     # a frozen block 10 us per sample (a slow file system under a small model).
@@ -201,7 +220,7 @@ def test_a_tier_measured_slower_than_the_prefix_is_dropped_and_autopipe_stops_co
 
 
 def test_the_feed_records_the_loaders_opens_each_cache_once_and_hands_out_keys(tmp_path):
-    site = CacheSite("run", 0, torch.device("cpu"), share_host=False)
+    site = CacheSite(tmp_path.name, 0, torch.device("cpu"), share_host=False)
     feed = CacheFeed(CacheControl("auto", str(tmp_path), ram_bytes=2**20, device_bytes=0))
     train, opened = feed.training_loader(DataLoader(list(range(6)), batch_size=4), site)
     assert opened is feed.control.cache and opened.num_samples == 6
@@ -224,7 +243,7 @@ def test_the_feed_records_the_loaders_opens_each_cache_once_and_hands_out_keys(t
 
 
 def test_the_feed_leaves_alone_what_it_cannot_cache(tmp_path):
-    site = CacheSite("run", 0, torch.device("cpu"), share_host=False)
+    site = CacheSite(tmp_path.name, 0, torch.device("cpu"), share_host=False)
     endless = DataLoader(_Endless(), batch_size=2)
     feed = CacheFeed(CacheControl("auto", str(tmp_path), ram_bytes=2**20, device_bytes=0))
     assert feed.training_loader(endless, site) == (endless, None) and not feed.open

@@ -92,6 +92,7 @@ class AutoCache:
         self.device = device = device or torch.device("cpu")
         self.device_budget = device_budget
         self.share_host = share_host  # other first-stage ranks of the node read the host tier too
+        self.budget_sharers: list[AutoCache] = []  # other caches of this process drawing on the same budgets
         for path in {directory, spill_directory}:
             path.mkdir(parents=True, exist_ok=True)
         self.guard = InputGuard(num_samples, device)  # the loaded batches
@@ -364,7 +365,7 @@ class AutoCache:
         budget = self.device_budget
         if budget == "auto":
             budget = int(torch.cuda.mem_get_info(self.device)[0] * DEVICE_SHARE) if self.device.type == "cuda" else 0
-        budget -= self.tier_bytes("device")
+        budget -= self._budget_used("device")
         return max(0, min(self.num_samples, budget // max(1, nbytes_of(1, shape, dtype))))
 
     def _file_tier(self, depth: int, shape: tuple[int, ...], dtype: torch.dtype, tuple_len: int) -> FileTier | None:
@@ -372,8 +373,9 @@ class AutoCache:
         reading either was measured slower than computing. OSError: the disk has no room either."""
         nbytes = nbytes_of(self.num_samples, shape, dtype)
         # Another rank of the node may have placed this depth in RAM already: share its file.
-        room = min(self.ram_budget, self.tier_bytes("host") + free_bytes(self.directory))
-        fits = (self.directory / f"depth{depth}").exists() or self.tier_bytes("host") + nbytes <= room
+        used = self._budget_used("host")
+        room = min(self.ram_budget, used + free_bytes(self.directory))
+        fits = (self.directory / f"depth{depth}").exists() or used + nbytes <= room
         if fits and "host" not in self.dropped:
             try:
                 return FileTier("host", self.directory, depth, self.num_samples, shape, dtype, tuple_len)
@@ -403,6 +405,10 @@ class AutoCache:
     # --------------------------------------------------------------- metrics
     def tier_bytes(self, name: str) -> int:
         return sum(t.nbytes for entry in self._depths.values() for t in entry.tiers if t.name == name)
+
+    def _budget_used(self, name: str) -> int:
+        """Bytes held in tier ``name`` by this cache and those it shares its budgets with."""
+        return self.tier_bytes(name) + sum(other.tier_bytes(name) for other in self.budget_sharers)
 
     def take_counts(self) -> EpochCounts:
         """The counts since the last call."""

@@ -32,7 +32,7 @@ class CacheControl:
     of the validation loader run during fit (every epoch, through the same frozen prefix).
     The validation cache serves only while the training cache is on: a prefix whose output
     cannot be cached in training (it still reads a trainable weight) is not cached for
-    validation either."""
+    validation either. The two share one device budget and one RAM budget."""
 
     def __init__(self, mode: bool | str, cache_dir: str | None, ram_bytes: int, device_bytes: int | str) -> None:
         if mode not in ("auto", True, False):
@@ -74,6 +74,9 @@ class CacheControl:
         label = "AutoCache" if training else "AutoCache's validation cache"
         cache = AutoCache(ram, spill, num_samples, self.ram_bytes, device, self.device_bytes, share_host, label)
         cache.force = self.mode is True and training  # validation is never served a state its input outdated
+        for other in self._caches():  # the budgets hold for both caches together
+            other.budget_sharers.append(cache)
+            cache.budget_sharers.append(other)
         if self._refusal is not None:
             cache.disable(self._refusal + ".", warn=training)  # the training cache says why
         elif self._validation_refusal is not None and not training:
@@ -153,7 +156,7 @@ class CacheControl:
         sums.append(float(counts.prefetched) if counts else 0.0)
         evals = self.eval_cache.take_counts() if self.eval_cache is not None else None
         sums += [float(evals.hits), float(evals.lookups)] if evals else [0.0, 0.0]
-        sizes = [float(cache.tier_bytes(n)) if cache else 0.0 for n in TIER_NAMES]
+        sizes = [float(sum(c.tier_bytes(n) for c in self._caches())) for n in TIER_NAMES]
         sums_t = torch.tensor(sums, dtype=torch.float64, device=device)
         sizes_t = torch.tensor(sizes, dtype=torch.float64, device=device)
         if world_size > 1:
