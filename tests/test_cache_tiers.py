@@ -197,7 +197,8 @@ def test_the_training_and_validation_caches_hold_to_one_device_budget_and_one_ra
     level, states, _ = validation.lookup(torch.arange(4), 1)
     assert level == 1 and states.eq(2.0).all()
     stats = control.epoch_stats(cpu, world_size=1)
-    assert (stats["cache_device_bytes"], stats["cache_ram_bytes"], stats["cache_disk_bytes"]) == (3 * row, 4 * row, 4 * row)
+    held = (stats["cache_device_bytes"], stats["cache_ram_bytes"], stats["cache_disk_bytes"])
+    assert held == (3 * row, 4 * row, 4 * row)
     control.close(remove_files=True)
 
 
