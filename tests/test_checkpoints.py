@@ -50,6 +50,19 @@ def test_checkpoint_holds_the_optimizer_state_of_one_process(bert_run, reference
             torch.testing.assert_close(saved["state"][index][key], state[key], atol=1e-6, rtol=1e-4)
 
 
+def test_trainer_save_checkpoint_after_fit_writes_what_one_process_would(bert_run, reference):
+    saved = torch.load(bert_run / "after_fit.ckpt", weights_only=False)
+    final = torch.load(bert_run / "final.pt", weights_only=True)["state"]
+    _assert_same_weights(saved["state_dict"], final)
+    for index, state in reference["optimizer"]["state"].items():
+        torch.testing.assert_close(saved["optimizer_states"][0]["state"][index]["exp_avg"], state["exp_avg"])
+    # After trainer.validate each rank holds its own blocks' optimizer state only: weights only.
+    model = type(build_module("bert")).load_from_checkpoint(bert_run / "after_validate.ckpt", map_location="cpu")
+    _assert_same_weights(model.state_dict(), final)
+    refused = json.loads((bert_run / "report.json").read_text())["refused_after_validate"]
+    assert "weights_only=True" in refused and not (bert_run / "refused.ckpt").exists()
+
+
 @pytest.mark.parametrize("nprocs", [4, 2])
 def test_resume_continues_like_the_uninterrupted_run(bert_run, nprocs, tmp_path):
     # The epoch-1 checkpoint was written before that epoch's freeze decision.

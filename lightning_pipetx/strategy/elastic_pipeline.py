@@ -156,6 +156,10 @@ class ElasticPipelineStrategy(DDPStrategy):
         self.bucket_cap_mb = bucket_cap_mb
         self.reuse_host_memory = reuse_host_memory
         self.engine: PipelineEngine | None = None
+        # After a run, for trainer.save_checkpoint: the last engine's plan, and whether it was
+        # fit's (each rank then still holds the optimizer state of the blocks it ran).
+        self._closed_plan: Plan | None = None
+        self._closed_fit = False
         self._split: BlockSplit | None = None
         self._layout0: Layout | None = None
         self._sync_grads = True
@@ -278,6 +282,7 @@ class ElasticPipelineStrategy(DDPStrategy):
                 used_in = averaged_weights_used_in(callback, self.lightning_module, trainer.max_epochs)
                 self._refuse_cache_for_averaging(type(callback).__name__, used_in)
         self.engine = self._build_engine(plan)
+        self._closed_plan, self._closed_fit = None, False
         self.engine.profile_steps = self.profile_steps
         drop_optimizer_state(self._split.blocks, self.optimizers, self.engine.block_range)
         clip_norm_over_stages(
@@ -560,11 +565,23 @@ class ElasticPipelineStrategy(DDPStrategy):
         return bool(flag == self.world_size) if all else bool(flag)
 
     # --------------------------------------------------------- checkpoint
+    def _saving_plan(self) -> Plan:
+        """The running engine's plan, else (``trainer.save_checkpoint`` after a run) the last one's."""
+        if self.engine is None and self._closed_plan is not None:
+            return self._closed_plan
+        return self._require_engine().plan
+
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The optimizer's state as one process would hold it, gathered on global rank 0."""
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
-        engine = self._require_engine()
-        return gather_optimizer_state(optimizer, self._split.blocks, engine.plan, self.global_rank, self.root_device)
+        plan = self._saving_plan()
+        if self.engine is None and not self._closed_fit:
+            raise RuntimeError(
+                "trainer.save_checkpoint after trainer.validate, test or predict under ElasticPipelineStrategy: each "
+                "rank now holds the optimizer state of its own blocks only. Save right after fit, or pass "
+                "weights_only=True."
+            )
+        return gather_optimizer_state(optimizer, self._split.blocks, plan, self.global_rank, self.root_device)
 
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Lightning's, keeping the block costs the saving run measured for :meth:`setup` (which follows)."""
@@ -581,7 +598,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError("ElasticPipelineStrategy.save_checkpoint takes no storage_options")
         if self.is_global_zero:
-            plan = self._require_engine().plan
+            plan = self._saving_plan()
             autopipe = self._require_autopipe()
             checkpoint["pipetx"] = {
                 "layout": str(plan.layout),
@@ -593,6 +610,8 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The plain module's ``state_dict``, with every block gathered on global rank 0."""
+        if self.engine is None and self._closed_plan is not None:  # after a run: every rank holds every block
+            return self.lightning_module.state_dict()
         engine = self._require_engine()
         engine.share_updated_params(self.optimizers)
         engine.share_pre_buffers()
@@ -631,6 +650,7 @@ class ElasticPipelineStrategy(DDPStrategy):
                     gather_loop_predictions(trainer.predict_loop, self.engine.topology)
                 self.engine.share_updated_params(self.optimizers)
                 self.engine.close(restore_weights=True)
+                self._closed_plan, self._closed_fit = self.engine.plan, trainer.state.fn == TrainerFn.FITTING
             self.engine = None
         self._layout0 = None  # loaders built before the next setup are not this run's
         if self._agreement is not None:

@@ -65,7 +65,14 @@ def main():
     module = build_module(model_name, optimizer)
     trainer.fit(module, train_loader(model_name), val_loader(model_name), ckpt_path=ckpt_path)
     fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    trainer.save_checkpoint(os.path.join(out_dir, "after_fit.ckpt"))
     metrics = trainer.validate(module, val_loader(model_name), verbose=False)[0]
+    trainer.save_checkpoint(os.path.join(out_dir, "after_validate.ckpt"), weights_only=True)
+    try:
+        trainer.save_checkpoint(os.path.join(out_dir, "refused.ckpt"))
+        refused = None
+    except RuntimeError as error:
+        refused = str(error)
     if trainer.is_global_zero:
         torch.save({"state": module.state_dict()}, os.path.join(out_dir, "final.pt"))
         report = {
@@ -73,7 +80,8 @@ def main():
             "served": recorder.served,
             "metrics": fit_metrics,
             "validate": metrics,
-            "checkpoints": sorted(f for f in os.listdir(out_dir) if f.endswith(".ckpt")),
+            "refused_after_validate": refused,
+            "checkpoints": sorted(f for f in os.listdir(out_dir) if f.startswith("epoch=") and f.endswith(".ckpt")),
         }
         with open(os.path.join(out_dir, "report.json"), "w") as f:
             json.dump(report, f)
