@@ -49,6 +49,31 @@ def rebatch(loader: DataLoader, batch0: tuple[int | None, int], replicas: int) -
     return like(loader, batch_size=size)
 
 
+def keep_epoch_length(loader: DataLoader, batches0: int | None) -> DataLoader:
+    """``loader`` with as many batches per epoch as the first layout's loader had (``batches0``).
+
+    With ``drop_last=True``, Lightning's ``DistributedSampler`` pads each replica's share by
+    repeating samples, so more replicas can make one more global batch an epoch (39 samples,
+    global batch 8: 4 batches on one replica, 5 on two). An LR schedule sized by
+    ``trainer.estimated_stepping_batches`` at the start would then run past its end. Cutting
+    the shares instead (the sampler's ``drop_last``) gives ``len(dataset) // global_batch``
+    batches on any number of replicas that divides the global batch."""
+    sampler = loader.sampler
+    if batches0 is None or len(loader) == batches0 or type(sampler) is not DistributedSampler:
+        return loader  # a sampler of the user's shards as the user chose
+    if loader.drop_last and not sampler.drop_last:
+        cut = DistributedSampler(
+            loader.dataset, sampler.num_replicas, sampler.rank, sampler.shuffle, sampler.seed, drop_last=True
+        )
+        loader = like(loader, sampler=cut)
+        if len(loader) == batches0:
+            return loader
+    raise ValueError(
+        f"the training DataLoader makes {len(loader)} batches an epoch on this layout against {batches0} on the "
+        f"first: the steps of the run would change at a transition. Pass keep_global_batch=False, or elastic=False."
+    )
+
+
 def like(loader: DataLoader, batch_size: int | None = None, sampler: Any = None) -> DataLoader:
     """A loader like ``loader`` (workers, collation, pinning), with another batch size or sampler."""
     return DataLoader(

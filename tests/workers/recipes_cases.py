@@ -113,9 +113,11 @@ def random_masking(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Te
     return batch
 
 
-def train_loader(batch_size: int, sampler=None, task: str = "bert") -> DataLoader:
-    dataset = TASKS[task].dataset(size=32, seed=1)
-    return DataLoader(dataset, batch_size=batch_size, shuffle=sampler is None, sampler=sampler)
+def train_loader(
+    batch_size: int, sampler=None, task: str = "bert", size: int = 32, drop_last: bool = False
+) -> DataLoader:
+    dataset = TASKS[task].dataset(size=size, seed=1)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=sampler is None, sampler=sampler, drop_last=drop_last)
 
 
 def fp16_reference(optimizer: str = "adamw") -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
 rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | ema)
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | ema)
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do) and
 "own_sampler" turns Lightning's distributed sampler off: both give the two stages different
@@ -39,6 +39,16 @@ class SummaryAtFitStart(Callback):
         self.total_parameters = summarize(pl_module).total_parameters
 
 
+class EpochSteps(Callback):
+    """Per epoch: the layout it trained on and its batches."""
+
+    def __init__(self):
+        self.rows = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.rows.append({"layout": str(trainer.strategy.layout), "batches": trainer.num_training_batches})
+
+
 def main() -> None:
     out_dir, mode = sys.argv[1], sys.argv[2]
     rank = int(os.environ["RANK"])
@@ -50,9 +60,13 @@ def main() -> None:
         "hidden_states": hidden_states_module,
         "intermediates": intermediates_module,
         "scheduled": scheduled_module,
+        "scheduled_uneven": scheduled_module,
     }.get(mode, hook_counting_module)()
     summary = SummaryAtFitStart()
     freeze = FreezeCallback() if mode.startswith("fp16") else None  # measures gradient norms per step
+    if mode == "scheduled_uneven":  # 2x1 -> 1x2 after epoch 0
+        freeze = FreezeCallback(alpha=3 / 4, signal="schedule")
+    epochs = EpochSteps()
     length = 1 if mode == "fp16_fused_replicas" else 2
     # The refused outputs are refused on the first stage only (the last one waits for its hidden
     # state): the ranks agree on the failure within a third of this timeout.
@@ -63,9 +77,11 @@ def main() -> None:
         strategy=ElasticPipelineStrategy(pipeline_length=length, num_microbatches=2, timeout=timeout),
         plugins=[fp16_plugin()] if mode.startswith("fp16") else None,
         use_distributed_sampler=mode != "own_sampler",
-        max_steps=-1 if mode == "scheduled" else STEPS,
-        max_epochs=2 if mode == "scheduled" else None,
-        callbacks=[summary] + ([EMAWeightAveraging(decay=0.9)] if mode == "ema" else []) + ([freeze] if freeze else []),
+        max_steps=-1 if mode.startswith("scheduled") else STEPS,
+        max_epochs={"scheduled": 2, "scheduled_uneven": 3}.get(mode),
+        callbacks=[summary, epochs]
+        + ([EMAWeightAveraging(decay=0.9)] if mode == "ema" else [])
+        + ([freeze] if freeze else []),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -75,15 +91,19 @@ def main() -> None:
     # the loader's batch is per replica, as under DDP: the global batch is GLOBAL_BATCH on either layout
     batch = GLOBAL_BATCH // 2 if length == 1 else GLOBAL_BATCH
     loader = train_loader(batch, task="timm_vit" if mode == "intermediates" else "bert")
+    if mode == "scheduled_uneven":  # 39 samples: 4 global batches of 8 an epoch, 7 samples dropped
+        loader = train_loader(batch, size=39, drop_last=True)
     if mode == "random_collate":
         loader = torch.utils.data.DataLoader(loader.dataset, batch_size=GLOBAL_BATCH, collate_fn=random_masking)
     trainer.fit(module, loader)
     report = {"summary_parameters": summary.total_parameters}
     if mode == "hooks":
         report["hook_calls"] = module.hook_calls
-    elif mode == "scheduled":
+    elif mode.startswith("scheduled"):
         report["estimated_steps"] = module.estimated_steps
         report["global_step"] = trainer.global_step
+        report["epochs"] = epochs.rows
+        report["last_lr"] = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
     else:
         report["scale"] = trainer.precision_plugin.scaler.get_scale()
     if freeze is not None:
