@@ -7,14 +7,18 @@ import pytest
 import torch
 from distributed import run_workers
 from elastic_cases import build_module, reference_run, train_loader
+from lightning.pytorch.plugins import MixedPrecision
 from recipes_cases import (
     STEPS,
+    fp16_module,
     fp16_reference,
     hidden_states_module,
     hook_counting_module,
     scheduled_reference,
 )
+from recipes_cases import train_loader as recipes_loader
 
+from lightning_pipetx import ElasticPipelineStrategy
 from lightning_pipetx.strategy.model_checks import UnsupportedOutputsError
 
 
@@ -87,6 +91,25 @@ def test_fp16_with_a_fused_optimizer_under_a_pipeline_is_refused(tmp_path):
     for rank in (0, 1):
         assert f"[rank{rank}]: lightning_pipetx.strategy.loss_scaling.OverflowAgreementError: " in output
     assert "AdamW(fused=True) under a 2-stage pipeline" in output and "precision='bf16-mixed'" in output
+
+
+@pytest.mark.parametrize("strategy", ["auto", "elastic"])
+def test_clipping_by_norm_with_a_fused_optimizer_under_fp16_is_refused_as_plain_lightning_refuses_it(strategy):
+    # The fused step unscales the gradients itself: clipped before it, they still carry the scale.
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ElasticPipelineStrategy() if strategy == "elastic" else "auto",
+        plugins=[MixedPrecision("16-mixed", "cpu")],
+        gradient_clip_val=1.0,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
+        trainer.fit(fp16_module("adamw_fused"), recipes_loader(8))
 
 
 def test_weight_averaging_under_a_pipeline_is_refused(tmp_path):

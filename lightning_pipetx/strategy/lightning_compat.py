@@ -19,6 +19,8 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
+from lightning_pipetx.strategy.loss_scaling import unscales_in_own_step
+
 SUPPORTED = {"lightning": ">=2.4,<2.7", "torchmetrics": ">=1.0,<2.0"}  # as pyproject.toml bounds them
 SUPPORTED_VERSIONS = "lightning{lightning} (tested with 2.6.6) and torchmetrics{torchmetrics} (tested with 1.9)".format(
     **SUPPORTED
@@ -151,6 +153,12 @@ def clip_norm_over_stages(plugin: Precision, clip_by_norm: Callable[[float, Any]
         optimizer: object, clip_val: float = 0.0, gradient_clip_algorithm: object = GradClipAlgorithmType.NORM
     ) -> None:
         if clip_val > 0 and gradient_clip_algorithm == GradClipAlgorithmType.NORM:
+            if getattr(plugin, "scaler", None) is not None and unscales_in_own_step(optimizer):
+                # Lightning's mixed precision refuses this too: the gradients are still scaled here.
+                raise RuntimeError(
+                    f"The current optimizer, {type(optimizer).__qualname__}, does not allow for gradient clipping "
+                    f"because it performs unscaling of gradients internally. HINT: Are you using a 'fused' optimizer?"
+                )
             clip_by_norm(float(clip_val), optimizer)
         else:
             original(plugin, optimizer, clip_val, gradient_clip_algorithm)
