@@ -19,7 +19,7 @@ from recipes_cases import (
 from recipes_cases import train_loader as recipes_loader
 
 from lightning_pipetx import ElasticPipelineStrategy
-from lightning_pipetx.strategy.model_checks import UnsupportedOutputsError
+from lightning_pipetx.strategy.model_checks import UnsupportedOutputsError, UnsupportedRecipeError
 
 
 def test_shape_based_parameter_groups_survive_a_transition_and_resume_without_the_strategy(tmp_path):
@@ -118,6 +118,38 @@ def test_weight_averaging_under_a_pipeline_is_refused(tmp_path):
     for rank in (0, 1):
         assert f"[rank{rank}]: lightning_pipetx.strategy.lightning_compat.WeightAveragingError: " in output
     assert "EMAWeightAveraging under a 2-stage pipeline" in output and "pipeline_length=1" in output
+
+
+def test_a_metric_synced_on_every_step_under_a_pipeline_is_refused(tmp_path):
+    # Only the last stage would reach its sync: the first would wait for gradients meanwhile.
+    output = run_workers("recipes_worker.py", 2, str(tmp_path), "step_synced_metric", expect_failure=True)
+    for rank in (0, 1):
+        assert f"[rank{rank}]: lightning_pipetx.strategy.model_checks.UnsupportedRecipeError: " in output
+    assert "metrics ['train_accuracy']" in output and "dist_sync_on_step=False" in output
+
+
+@pytest.mark.parametrize("batch_norm", [True, False])
+def test_sync_batchnorm_is_refused_for_a_model_with_batch_norms(batch_norm):
+    module = hook_counting_module()
+    if batch_norm:
+        module.norm = torch.nn.BatchNorm1d(4)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ElasticPipelineStrategy(),
+        sync_batchnorm=True,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    if batch_norm:
+        with pytest.raises(UnsupportedRecipeError, match="sync_batchnorm=False"):
+            trainer.fit(module, recipes_loader(8))
+    else:  # nothing to sync: it trains
+        trainer.fit(module, recipes_loader(8))
+        assert trainer.global_step == 1
 
 
 @pytest.mark.parametrize("mode", ["random_collate", "own_sampler"])

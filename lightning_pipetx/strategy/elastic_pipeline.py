@@ -41,6 +41,7 @@ from lightning_pipetx.strategy.model_checks import (
     CollectedOutputChecks,
     UnsupportedOutputsError,
     refuse_manual_optimization,
+    refuse_pipeline_recipes,
 )
 from lightning_pipetx.strategy.options import check_arguments
 from lightning_pipetx.strategy.output_relay import EvalMetricGroups
@@ -273,6 +274,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._layout0 = plan.layout
         if trainer.state.fn == TrainerFn.FITTING:
             refuse_manual_optimization(self.lightning_module)
+            refuse_pipeline_recipes(self.lightning_module, self._layer_sync, plan.layout.pipeline_length)
             # configure_optimizers sees every weight as one process would (it may group them by
             # shape or read them); the blocks this rank does not run are released after it.
             self.setup_optimizers(trainer)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
+from torchmetrics import Metric
 
 COLLECTED_OUTPUTS = ("output_hidden_states", "output_attentions", "output_router_logits")
 
@@ -33,6 +34,33 @@ def refuse_manual_optimization(module: Any) -> None:
             "ElasticPipelineStrategy runs each training step's forward and backward itself (micro-batches "
             "through the stages), so manual optimization (automatic_optimization = False, manual_backward) "
             "cannot run under it. Use automatic optimization, or Lightning's DDPStrategy for this module."
+        )
+
+
+class UnsupportedRecipeError(ValueError):
+    """A Trainer or module option that would hang or train differently under a pipeline."""
+
+
+def refuse_pipeline_recipes(module: nn.Module, layer_sync: Any, pipeline_length: int) -> None:
+    """Refuse ``Trainer(sync_batchnorm=True)`` for a model with batch norms (the strategy does
+    not convert them), and under a pipeline of more than one stage a metric that syncs over
+    every rank after each update in ``training_step``, which the last stage alone reaches."""
+    batch_norms = [name for name, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if layer_sync is not None and batch_norms:
+        raise UnsupportedRecipeError(
+            f"Trainer(sync_batchnorm=True): ElasticPipelineStrategy does not sync batch norms ({batch_norms[0]}, "
+            f"...) over its replicas. Pass sync_batchnorm=False (each replica normalizes its own batch), or use "
+            f"Lightning's DDPStrategy."
+        )
+    if pipeline_length <= 1:
+        return
+    synced = [name for name, m in module.named_modules() if isinstance(m, Metric) and m.dist_sync_on_step]
+    if synced:
+        raise UnsupportedRecipeError(
+            f"metrics {synced} sync over every rank after each update (dist_sync_on_step=True), but under a "
+            f"{pipeline_length}-stage pipeline the code after the model call in training_step runs on the last "
+            f"stage only, so the other stages would never join the sync. Create them with dist_sync_on_step=False "
+            f"(the epoch's value is synced over every replica all the same), or pass pipeline_length=1."
         )
 
 

@@ -1,7 +1,7 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
 rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | ema)
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | ema | step_synced_metric)
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do) and
 "own_sampler" turns Lightning's distributed sampler off: both give the two stages different
@@ -15,6 +15,7 @@ from datetime import timedelta
 
 import lightning.pytorch as pl
 import torch
+import torchmetrics
 from lightning.pytorch.callbacks import Callback, EMAWeightAveraging
 from lightning.pytorch.utilities.model_summary import summarize
 from recipes_cases import (
@@ -62,6 +63,8 @@ def main() -> None:
         "scheduled": scheduled_module,
         "scheduled_uneven": scheduled_module,
     }.get(mode, hook_counting_module)()
+    if mode == "step_synced_metric":  # updated in training_step, which the last stage alone finishes
+        module.train_accuracy = torchmetrics.classification.MulticlassAccuracy(3, dist_sync_on_step=True)
     summary = SummaryAtFitStart()
     freeze = FreezeCallback() if mode.startswith("fp16") else None  # measures gradient norms per step
     if mode == "scheduled_uneven":  # 2x1 -> 1x2 after epoch 0
