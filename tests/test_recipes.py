@@ -4,6 +4,7 @@ import json
 
 import lightning.pytorch as pl
 import pytest
+import tiny_models as tm
 import torch
 from distributed import run_workers
 from elastic_cases import build_module, reference_run, train_loader
@@ -150,6 +151,20 @@ def test_sync_batchnorm_is_refused_for_a_model_with_batch_norms(batch_norm):
     else:  # nothing to sync: it trains
         trainer.fit(module, recipes_loader(8))
         assert trainer.global_step == 1
+
+
+def test_a_model_with_batch_norms_trains_on_whole_batches():
+    # In training a batch norm normalizes by the statistics of the batch it sees: a micro-batch's
+    # would give other gradients than one process's.
+    module = hook_counting_module()
+    module.norm = torch.nn.BatchNorm1d(4)
+    with pytest.raises(UnsupportedRecipeError, match="num_microbatches=1"):
+        tm.make_trainer([], max_steps=1, strategy=ElasticPipelineStrategy(num_microbatches=2)).fit(
+            module, recipes_loader(8)
+        )
+    trainer = tm.make_trainer([], max_steps=1, strategy=ElasticPipelineStrategy(pipeline_length=1))
+    trainer.fit(module, recipes_loader(8))
+    assert trainer.strategy.engine is None and trainer.strategy.autopipe.microbatches == 1
 
 
 @pytest.mark.parametrize("mode", ["random_collate", "own_sampler"])

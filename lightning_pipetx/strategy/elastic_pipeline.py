@@ -40,6 +40,7 @@ from lightning_pipetx.strategy.loss_scaling import agreeing_scaler, refuse_unagr
 from lightning_pipetx.strategy.model_checks import (
     CollectedOutputChecks,
     UnsupportedOutputsError,
+    microbatches_for_training,
     refuse_manual_optimization,
     refuse_pipeline_recipes,
 )
@@ -76,8 +77,8 @@ class ElasticPipelineStrategy(DDPStrategy):
             ``memory_budget`` (the shortest pipeline that fits: one stage if the model fits a
             device), up to one node and the number of blocks.
         num_microbatches: micro-batches per batch. ``"auto"``: 1 without a pipeline, else
-            ``2 * pipeline_length``. A batch smaller than this is split into one-sample
-            micro-batches.
+            ``2 * pipeline_length`` (1 in fit for a model with batch norms, where more is
+            refused). A batch smaller than this is split into one-sample micro-batches.
         schedule: ``"gpipe"`` (all forwards, then all backwards) or ``"1f1b"`` (bounded memory).
         blocks: dotted path of the block list inside the LightningModule; found when None.
         elastic: compress the pipeline and add replicas as blocks freeze.
@@ -219,9 +220,9 @@ class ElasticPipelineStrategy(DDPStrategy):
         frozen_time = 0.0 if self._autocache.active(self.root_device, self.world_size) else FROZEN_TIME
         return self._require_autopipe().plan(frozen, self.world_size, self._autodp.accepts, frozen_time)
 
-    def _start_plan(self, split: BlockSplit) -> Plan:
+    def _start_plan(self, split: BlockSplit, num_microbatches: int | str) -> Plan:
         """The run's planner and its plan with nothing frozen (logged on global rank 0)."""
-        self.autopipe = AutoPipe(self.pipeline_length, self.num_microbatches)
+        self.autopipe = AutoPipe(self.pipeline_length, num_microbatches)
         per_node = max(1, self.world_size // max(1, self.num_nodes))
         plan, why = self.autopipe.start(
             split, self.world_size, min(per_node, split.num_blocks), self._memory_budget, self.profile_steps > 0
@@ -267,12 +268,16 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._run_token = self.broadcast(uuid.uuid4().hex[:12] if self.is_global_zero else None)
         self._failed = False
         self._agreement = FailureAgreement(self.world_size, self.timeout)
-        plan = self._start_plan(self._split)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        microbatches = self.num_microbatches
+        if fitting:
+            microbatches = microbatches_for_training(microbatches, self.lightning_module)
+        plan = self._start_plan(self._split, microbatches)
         # configure_optimizers may build the training DataLoader (trainer.estimated_stepping_batches,
         # for an LR schedule): it is sharded by replica and recorded for AutoCache as it is built, so
         # that Lightning keeps it (building it again would draw another seed from the user's stream).
         self._layout0 = plan.layout
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             refuse_manual_optimization(self.lightning_module)
             refuse_pipeline_recipes(self.lightning_module, self._layer_sync, plan.layout.pipeline_length)
             # configure_optimizers sees every weight as one process would (it may group them by

@@ -41,11 +41,31 @@ class UnsupportedRecipeError(ValueError):
     """A Trainer or module option that would hang or train differently under a pipeline."""
 
 
+def batch_norm_names(module: nn.Module) -> list[str]:
+    return [name for name, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def microbatches_for_training(num_microbatches: int | str, module: nn.Module) -> int | str:
+    """``num_microbatches`` for fit: a model with batch norms trains on whole batches (``"auto"``
+    becomes 1), since a batch norm in training normalizes each micro-batch by its own statistics
+    and its gradients would differ from one process's; more than 1 is refused."""
+    norms = batch_norm_names(module)
+    if not norms or num_microbatches == 1:
+        return num_microbatches
+    if num_microbatches == "auto":
+        return 1
+    raise UnsupportedRecipeError(
+        f"num_microbatches={num_microbatches} with batch norms ({norms[0]}, ...): in training a batch norm "
+        f"normalizes each micro-batch by its own statistics, so the gradients would differ from one process's. "
+        f"Pass num_microbatches=1 (or 'auto', which is 1 for such a model)."
+    )
+
+
 def refuse_pipeline_recipes(module: nn.Module, layer_sync: Any, pipeline_length: int) -> None:
     """Refuse ``Trainer(sync_batchnorm=True)`` for a model with batch norms (the strategy does
     not convert them), and under a pipeline of more than one stage a metric that syncs over
     every rank after each update in ``training_step``, which the last stage alone reaches."""
-    batch_norms = [name for name, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    batch_norms = batch_norm_names(module)
     if layer_sync is not None and batch_norms:
         raise UnsupportedRecipeError(
             f"Trainer(sync_batchnorm=True): ElasticPipelineStrategy does not sync batch norms ({batch_norms[0]}, "

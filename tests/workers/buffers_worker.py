@@ -95,7 +95,7 @@ def main():
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=ElasticPipelineStrategy(pipeline_length=2, num_microbatches=2, profile_steps=0, cache=False),
+        strategy=ElasticPipelineStrategy(pipeline_length=2, num_microbatches=1, profile_steps=0, cache=False),
         callbacks=[recorder, FreezeCallback(alpha=3 / 4 if direct else 1 / 2, signal="schedule")],
         max_epochs=3,
         logger=False,
