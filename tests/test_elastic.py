@@ -107,3 +107,15 @@ def test_a_loader_that_cannot_be_rebatched_keeps_its_replicas(tmp_path, kind):
     for rank in range(2):
         report = json.loads((tmp_path / f"{kind}_rank{rank}.json").read_text())
         assert report["layouts"] == ["2x1", "2x1", "2x1"] and report["frozen"] == 3
+
+
+def test_ranks_that_shard_the_data_themselves_never_read_each_other_s_cached_states(tmp_path):
+    # Without Lightning's sampler index i may be another sample on each rank: the node's shared
+    # cache file would serve one rank the states of the other's samples.
+    run_workers("loader_kinds_worker.py", 2, str(tmp_path), "per_rank_subset")
+    for rank in range(2):
+        report = json.loads((tmp_path / f"per_rank_subset_rank{rank}.json").read_text())
+        cached, plain = report["cache=True"], report["cache=False"]
+        assert max(cached["hit_rates"]) == 1.0  # the frozen prefix was served
+        for key, value in plain["weights"].items():
+            torch.testing.assert_close(torch.tensor(cached["weights"][key]), torch.tensor(value), msg=key)

@@ -85,6 +85,15 @@ def like(loader: DataLoader, batch_size: int | None = None, sampler: Any = None)
     )
 
 
+def shards_one_index_space(loader: DataLoader) -> bool:
+    """Whether ``loader`` draws its indices through Lightning's distributed sampler (or the
+    stable one that replaces it), which deals one data set's indices to the replicas: only then
+    is an index the same sample on every rank, so that ranks may read each other's cached states.
+    A sampler of the user's (``use_distributed_sampler=False``) may index a data set of the rank's own."""
+    samplers = (loader.sampler, getattr(loader.batch_sampler, "sampler", None))
+    return any(isinstance(s, (DistributedSampler, StableShardSampler)) for s in samplers)
+
+
 def stable_shards(loader: DataLoader) -> DataLoader:
     """``loader`` with Lightning's ``DistributedSampler`` replaced by a :class:`StableShardSampler`
     of the same replicas, seed, shuffling and ``drop_last``; other samplers are kept."""

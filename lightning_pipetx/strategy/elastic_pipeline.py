@@ -23,7 +23,7 @@ from lightning_pipetx.blocks import BlockSplit, find_blocks
 from lightning_pipetx.strategy.autodp import AutoDP, Transition
 from lightning_pipetx.strategy.autopipe import FROZEN_TIME, AutoPipe, Plan, device_memory
 from lightning_pipetx.strategy.checkpoint import atomic_save, gather_optimizer_state
-from lightning_pipetx.strategy.dataloading import stable_shards
+from lightning_pipetx.strategy.dataloading import shards_one_index_space, stable_shards
 from lightning_pipetx.strategy.engine import PipelineEngine
 from lightning_pipetx.strategy.failure import FailureAgreement, explain_training_outputs, restore_after_failure
 from lightning_pipetx.strategy.host_memory import reuse_for_training
@@ -174,6 +174,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self.cache_ram_bytes = cache_ram_bytes
         self._cache_feed = CacheFeed(self._autocache)
         self._run_token = ""
+        self._private_cache = False  # a cache folder of this rank's own (no other rank removes it)
         self._transition_seconds: float | None = None
         self.last_transition: Transition | None = None  # what the last transition did on this rank
         self._output_checks: CollectedOutputChecks | None = None
@@ -266,6 +267,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._frozen = 0
         self._autodp.reset()
         self._run_token = self.broadcast(uuid.uuid4().hex[:12] if self.is_global_zero else None)
+        self._private_cache = False
         self._failed = False
         self._agreement = FailureAgreement(self.world_size, self.timeout)
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -379,16 +381,19 @@ class ElasticPipelineStrategy(DDPStrategy):
         if not trainer.training:
             if trainer.state.fn != TrainerFn.FITTING:
                 return dataloader
-            return self._cache_feed.validation_loader(dataloader, self._cache_site(layout))
+            return self._cache_feed.validation_loader(dataloader, self._cache_site(layout, dataloader))
         dataloader = self._autodp.reshard(dataloader, layout.replicas)
         if self._stable_shards():
             dataloader = stable_shards(dataloader)
-        dataloader, opened = self._cache_feed.training_loader(dataloader, self._cache_site(layout))
+        dataloader, opened = self._cache_feed.training_loader(dataloader, self._cache_site(layout, dataloader))
         if opened is not None and self.engine is not None:  # else the engine gets it when it is built
             self.engine.cache = opened
         return dataloader
 
-    def _cache_site(self, layout: Layout) -> CacheSite:
+    def _cache_site(self, layout: Layout, loader: DataLoader) -> CacheSite:
+        if not shards_one_index_space(loader):  # the ranks' datasets may differ: no rank reads another's states
+            self._private_cache = True
+            return CacheSite(f"{self._run_token}-rank{self.global_rank}", self.node_rank, self.root_device, False)
         first_stages = sum(layout.coords(r)[1] == 0 for r in self._node_ranks())  # of this node
         return CacheSite(self._run_token, self.node_rank, self.root_device, share_host=first_stages > 1)
 
@@ -646,7 +651,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         if self._cache_feed.open:
             if not self._failed:
                 self.barrier("pipetx-cache")  # every rank is done with the files
-            self._cache_feed.close(remove_files=self.local_rank == 0)
+            self._cache_feed.close(remove_files=self.local_rank == 0 or self._private_cache)
         if self.engine is not None:
             if self._failed:
                 store, path = self._store, self._split.path

@@ -1,7 +1,7 @@
 """Freezing on 2 processes with training loaders that cannot be re-batched.
 
 Usage: torchrun --nproc_per_node=2 loader_kinds_worker.py OUT_DIR KIND
-KIND: ``iterable`` (an IterableDataset) or ``batch_sampler`` (a DataLoader built with one of the
+KIND: ``per_rank_subset`` (see :func:`per_rank_subsets`), ``iterable`` (an IterableDataset) or ``batch_sampler`` (a DataLoader built with one of the
 user's class; Lightning un-batches a loader built with torch's own ``BatchSampler``). The
 global batch cannot be kept over 2 replicas, so the 2x1 pipeline must stay 2x1 as blocks freeze.
 Every rank writes OUT_DIR/<KIND>_rank<N>.json: the layout each epoch and the frozen blocks.
@@ -11,8 +11,9 @@ import json
 import os
 import sys
 
+from lightning.pytorch.callbacks import Callback
 from tiny_models import Layouts, RandomVectorDataset, TinySequentialRegressor, make_trainer
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler, Subset
 from worker_exit import run_worker
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
@@ -32,8 +33,46 @@ class InOrder(BatchSampler):
     """A batch sampler of the user's (Lightning gives it a distributed sampler by its arguments)."""
 
 
+def per_rank_subsets(out_dir: str) -> None:
+    """2 replicas that shard the data themselves (``use_distributed_sampler=False``): index ``i``
+    is another sample on each rank. Trained with and without AutoCache; rank N writes
+    OUT_DIR/per_rank_subset_rank<N>.json with both runs' weights and the cached run's hit rates."""
+    report = {}
+    for cache in (False, True):
+        rank = int(os.environ["RANK"])
+        samples = Subset(RandomVectorDataset(size=32), range(rank, 32, 2))
+        freeze = FreezeCallback(alpha=0.5, signal="schedule")
+        hits = CacheHits()
+        trainer = make_trainer(
+            [freeze, hits],
+            max_epochs=4,
+            devices=2,
+            use_distributed_sampler=False,
+            strategy=ElasticPipelineStrategy(pipeline_length=1, profile_steps=0, cache=cache),
+        )
+        module = TinySequentialRegressor(seed=0, dropout=0.0)
+        trainer.fit(module, DataLoader(samples, batch_size=4))
+        report[f"cache={cache}"] = {
+            "weights": {k: v.tolist() for k, v in module.state_dict().items()},
+            "hit_rates": hits.rates,
+        }
+    with open(os.path.join(out_dir, f"per_rank_subset_rank{trainer.global_rank}.json"), "w") as handle:
+        json.dump(report, handle)
+
+
+class CacheHits(Callback):
+    def __init__(self):
+        self.rates = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.rates.append(float(trainer.callback_metrics.get("pipetx/cache_hit_rate", -1.0)))
+
+
 def main():
     out_dir, kind = sys.argv[1], sys.argv[2]
+    if kind == "per_rank_subset":
+        per_rank_subsets(out_dir)
+        return
     if kind == "iterable":
         loader = DataLoader(Stream(), batch_size=4)
     else:
