@@ -549,5 +549,7 @@ def test_a_loader_without_automatic_batching_is_not_recorded(tmp_path):
     # What Lightning makes of DataLoader(batch_sampler=BatchSampler(...)) when it adds its sampler.
     feed = CacheFeed(CacheControl(True, str(tmp_path), 2**20, 0))
     loader = DataLoader(tm.RandomTokenDataset(size=4), batch_size=None)
-    returned, opened = feed.training_loader(loader, CacheSite(tmp_path.name, 0, torch.device("cpu"), share_host=False))
+    returned, opened = feed.training_loader(
+        loader, CacheSite(f"{tmp_path.parent.name}-{tmp_path.name}", 0, torch.device("cpu"), share_host=False)
+    )
     assert returned is loader and opened is None and loader.batch_sampler is None

@@ -23,10 +23,16 @@ def _states(value, size):
     return Activation.of_hidden(torch.full((size, 3, 2), float(value)), 0)
 
 
+def _run(tmp_path):
+    """A run token of this test alone: CacheControl's RAM folder is in /dev/shm, shared by every run."""
+    return f"{tmp_path.parent.name}-{tmp_path.name}"
+
+
 def _checked(cache, size):
     indices = torch.arange(size)
-    for _ in range(2):  # two epochs saw the same inputs
+    for _ in range(2):  # two epochs saw the same inputs, and the same entered the frozen blocks
         cache.guard.observe(indices, indices.to(torch.float64))
+        cache.prefix_guard.observe(indices, indices.to(torch.float64))
         cache.begin_epoch(group_size=1)
     return cache
 
@@ -186,9 +192,8 @@ def test_the_training_and_validation_caches_hold_to_one_device_budget_and_one_ra
     row = 3 * 2 * 4
     control = CacheControl("auto", str(tmp_path), ram_bytes=6 * row, device_bytes=3 * row)
     cpu = torch.device("cpu")
-    run = tmp_path.name  # the RAM folder is /dev/shm's, shared by every test
-    training = _checked(control.open(run, 0, 4, cpu, share_host=False), 4)
-    validation = _checked(control.open_eval(run, 0, 4, cpu, share_host=False), 4)
+    training = _checked(control.open(_run(tmp_path), 0, 4, cpu, share_host=False), 4)
+    validation = _checked(control.open_eval(_run(tmp_path), 0, 4, cpu, share_host=False), 4)
     training.store(torch.arange(4), 1, _states(1, 4))  # 3 rows on the device, the depth's file in RAM
     validation.store(torch.arange(4), 1, _states(2, 4))  # no device rows left, no room in RAM: disk
     assert training.tier_bytes("device") == 3 * row and validation.tier_bytes("device") == 0
@@ -204,7 +209,7 @@ def test_the_training_and_validation_caches_hold_to_one_device_budget_and_one_ra
 
 def test_a_tier_measured_slower_than_the_prefix_is_dropped_and_autopipe_stops_counting_it_free(tmp_path, caplog):
     control = CacheControl("auto", str(tmp_path), ram_bytes=2**20, device_bytes=0)
-    cache = _checked(control.open(tmp_path.name, 0, 4, torch.device("cpu"), share_host=False), 4)
+    cache = _checked(control.open(_run(tmp_path), 0, 4, torch.device("cpu"), share_host=False), 4)
     cache.store(torch.arange(4), 2, _states(2, 4))
     # What the stopwatch resolved from the last epoch: a read of a sample from RAM took 1 ms,
     # a frozen block 10 us per sample (a slow file system under a small model).
@@ -221,7 +226,7 @@ def test_a_tier_measured_slower_than_the_prefix_is_dropped_and_autopipe_stops_co
 
 
 def test_the_feed_records_the_loaders_opens_each_cache_once_and_hands_out_keys(tmp_path):
-    site = CacheSite(tmp_path.name, 0, torch.device("cpu"), share_host=False)
+    site = CacheSite(_run(tmp_path), 0, torch.device("cpu"), share_host=False)
     feed = CacheFeed(CacheControl("auto", str(tmp_path), ram_bytes=2**20, device_bytes=0))
     train, opened = feed.training_loader(DataLoader(list(range(6)), batch_size=4), site)
     assert opened is feed.control.cache and opened.num_samples == 6
@@ -244,7 +249,7 @@ def test_the_feed_records_the_loaders_opens_each_cache_once_and_hands_out_keys(t
 
 
 def test_the_feed_leaves_alone_what_it_cannot_cache(tmp_path):
-    site = CacheSite(tmp_path.name, 0, torch.device("cpu"), share_host=False)
+    site = CacheSite(_run(tmp_path), 0, torch.device("cpu"), share_host=False)
     endless = DataLoader(_Endless(), batch_size=2)
     feed = CacheFeed(CacheControl("auto", str(tmp_path), ram_bytes=2**20, device_bytes=0))
     assert feed.training_loader(endless, site) == (endless, None) and not feed.open

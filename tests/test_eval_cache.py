@@ -78,6 +78,25 @@ def test_validation_inputs_that_change_keep_only_the_validation_cache_off(tmp_pa
     assert trainer.callback_metrics["pipetx/cache_hit_rate"] == 1.0  # training still cached
 
 
+class MaskedValidation(tm.TinyBertClassifier):
+    """A validation step that masks tokens at random before the model call, anew each epoch."""
+
+    def validation_step(self, batch, batch_idx):
+        generator = torch.Generator().manual_seed(1000 * self.trainer.current_epoch + batch_idx)
+        masked = torch.rand(batch["input_ids"].shape, generator=generator) < 0.3
+        return super().validation_step({**batch, "input_ids": batch["input_ids"].masked_fill(masked, 1)}, batch_idx)
+
+
+def test_validation_that_changes_its_batch_before_the_model_call_is_never_served(tmp_path, caplog):
+    # The loaded batches stay the same; what enters the frozen blocks does not.
+    _, plain, _ = fit(False, tmp_path, module=MaskedValidation(seed=0, dropout=0.0), epochs=5)
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        _, record, _ = fit(True, tmp_path, module=MaskedValidation(seed=0, dropout=0.0), epochs=5)
+    assert record.losses == plain.losses
+    assert all(served is None or served[0] == 0 for served in record.served)
+    assert any("validation cache switched off" in r.message for r in caplog.records)
+
+
 def test_validation_with_ema_weights_is_never_served_and_stays_exact(tmp_path, caplog):
     """EMA swaps its averages, which keep moving in the frozen prefix, into the model for each validation."""
     ema = getattr(pl.callbacks, "EMAWeightAveraging", None)
@@ -168,11 +187,10 @@ def test_validation_on_two_processes_is_served_exactly(tmp_path, pipeline_length
     first_stage = [r["True"] for r in ranks if r["True"]["stage"] == 0]
     assert len(first_stage) == 3 - pipeline_length  # a 2-stage pipeline, or two replicas
     samples = 24 // len(first_stage)  # each replica validates its shard
-    # Frozen 0, 2, 3, 3: see the inputs, fill depth 2, then on one stage read depth 2 and run block
-    # 2 before hitting depth 3; the first of two stages holds blocks 0-1 only, so it hits depth 2.
-    third = [0, samples] if pipeline_length == 1 else [samples, samples]
+    # Frozen 0, 2, 3, 3: see the inputs, fill depth 2, fill depth 3 (nothing is served before what
+    # enters the frozen blocks was compared unchanged, here with the second's), then hit depth 3.
     for report in first_stage:
-        assert report["served"] == [[0, 0], [0, samples], third, [samples, samples]]
+        assert report["served"] == [[0, 0], [0, samples], [0, samples], [samples, samples]]
     assert not list((tmp_path / "spill").glob("pipetx-*"))
 
 

@@ -98,6 +98,7 @@ class AutoCache:
         self.guard = InputGuard(num_samples, device)  # the loaded batches
         self.prefix_guard = InputGuard(num_samples, device, tolerance=1e-4)  # what enters the frozen blocks
         self.force = False  # cache=True: a changed input only warns
+        self.strict = False  # serve only once what enters the frozen blocks was also compared unchanged
         self.enabled = True
         self.fills = True  # caches the samples drop_last leaves out (off once the user's step failed on them)
         self.dropped: set[str] = set()  # tiers measured slower than computing the prefix
@@ -120,8 +121,8 @@ class AutoCache:
 
     @property
     def serving(self) -> bool:
-        """Hits may be served: paying, and the inputs passed a check."""
-        return self.paying and self.guard.trusted
+        """Hits may be served: paying, and the inputs (strict: and the frozen blocks' input) passed a check."""
+        return self.paying and self.guard.trusted and (self.prefix_guard.trusted or not self.strict)
 
     def disable(self, reason: str, warn: bool = True) -> None:
         self.enabled = False
@@ -154,10 +155,10 @@ class AutoCache:
         ).to(self.device, torch.float64)
         if group_size > 1:
             dist.all_reduce(flags)
-        compared, changed, _, prefix_changed, disabled, *slow_flags = flags.tolist()
+        compared, changed, prefix_compared, prefix_changed, disabled, *slow_flags = flags.tolist()
         if self.guard.judge(compared, changed):
             self._changed(CHANGED_INPUT)
-        elif prefix_changed > 0:
+        elif self.prefix_guard.judge(prefix_compared, prefix_changed):
             self._changed(CHANGED_PREFIX_INPUT)
         if disabled and self.enabled:
             self.disable("another rank switched it off")

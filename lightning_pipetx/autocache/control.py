@@ -74,6 +74,7 @@ class CacheControl:
         label = "AutoCache" if training else "AutoCache's validation cache"
         cache = AutoCache(ram, spill, num_samples, self.ram_bytes, device, self.device_bytes, share_host, label)
         cache.force = self.mode is True and training  # validation is never served a state its input outdated
+        cache.strict = not training
         for other in self._caches():  # the budgets hold for both caches together
             other.budget_sharers.append(cache)
             cache.budget_sharers.append(other)
