@@ -65,11 +65,10 @@ class AutoDP:
     def __init__(self, keep_global_batch: bool = True) -> None:
         self.keep_global_batch = keep_global_batch
         self.batch0: tuple[int | None, int] | None = None  # the user's batch size, and the replicas it was for
-        self.batches0: int | None = None  # batches per epoch of the first layout's loader
         self.moving = False  # blocks are changing hands
 
     def reset(self) -> None:
-        self.batch0, self.batches0, self.moving = None, None, False
+        self.batch0, self.moving = None, False
 
     def accepts(self, layout: Layout) -> bool:
         """Whether ``layout`` keeps the global batch (always, without ``keep_global_batch``)."""
@@ -79,16 +78,15 @@ class AutoDP:
         """The training loader for ``replicas`` replicas (Lightning's sampler shards it by replica)."""
         if self.batch0 is None:
             self.batch0 = (batch_size_to_keep(dataloader), replicas)
-            self.batches0 = len(dataloader) if self.batch0[0] is not None else None
             if self.keep_global_batch and self.batch0[0] is None:
                 log.info(
                     "pipetx: the training DataLoader cannot be re-batched (a batch_sampler or an IterableDataset): "
                     "layouts keep %d replicas, so that the global batch stays yours; keep_global_batch=False lifts this",
                     replicas,
                 )
-        if not self.keep_global_batch:
+        if not self.keep_global_batch or replicas == self.batch0[1]:
             return dataloader
-        return keep_epoch_length(rebatch(dataloader, self.batch0, replicas), self.batches0)
+        return keep_epoch_length(rebatch(dataloader, self.batch0, replicas), self.batch0)
 
     def transition(
         self,

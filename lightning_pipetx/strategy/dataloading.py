@@ -3,6 +3,7 @@ stays the user's), and sharded so that samples stay on their replica (:func:`sta
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
@@ -49,29 +50,28 @@ def rebatch(loader: DataLoader, batch0: tuple[int | None, int], replicas: int) -
     return like(loader, batch_size=size)
 
 
-def keep_epoch_length(loader: DataLoader, batches0: int | None) -> DataLoader:
-    """``loader`` with as many batches per epoch as the first layout's loader had (``batches0``).
+def keep_epoch_length(loader: DataLoader, batch0: tuple[int | None, int]) -> DataLoader:
+    """``loader`` (re-batched for more replicas than ``batch0 = (batch_size, replicas)`` was for)
+    with as many batches per epoch as on ``batch0``'s replicas.
 
     With ``drop_last=True``, Lightning's ``DistributedSampler`` pads each replica's share by
     repeating samples, so more replicas can make one more global batch an epoch (39 samples,
     global batch 8: 4 batches on one replica, 5 on two). An LR schedule sized by
     ``trainer.estimated_stepping_batches`` at the start would then run past its end. Cutting
     the shares instead (the sampler's ``drop_last``) gives ``len(dataset) // global_batch``
-    batches on any number of replicas that divides the global batch."""
+    batches on any number of replicas that divides the global batch, what padding gives on fewer."""
+    size0, replicas0 = batch0
     sampler = loader.sampler
-    if batches0 is None or len(loader) == batches0 or type(sampler) is not DistributedSampler:
-        return loader  # a sampler of the user's shards as the user chose
-    if loader.drop_last and not sampler.drop_last:
-        cut = DistributedSampler(
-            loader.dataset, sampler.num_replicas, sampler.rank, sampler.shuffle, sampler.seed, drop_last=True
-        )
-        loader = like(loader, sampler=cut)
-        if len(loader) == batches0:
-            return loader
-    raise ValueError(
-        f"the training DataLoader makes {len(loader)} batches an epoch on this layout against {batches0} on the "
-        f"first: the steps of the run would change at a transition. Pass keep_global_batch=False, or elastic=False."
+    if size0 is None or not loader.drop_last or type(sampler) is not DistributedSampler or sampler.drop_last:
+        return loader
+    batches0 = math.ceil(len(loader.dataset) / replicas0) // size0  # padded shares on batch0's replicas
+    if len(loader) == batches0:
+        return loader
+    cut = DistributedSampler(
+        loader.dataset, sampler.num_replicas, sampler.rank, sampler.shuffle, sampler.seed, drop_last=True
     )
+    shorter = like(loader, sampler=cut)
+    return shorter if len(shorter) == batches0 else loader
 
 
 def like(loader: DataLoader, batch_size: int | None = None, sampler: Any = None) -> DataLoader:
