@@ -61,7 +61,8 @@ def test_validation_is_served_from_the_cache_with_the_same_results(tmp_path, san
     for key, value in uncached.state_dict().items():
         torch.testing.assert_close(cached.state_dict()[key], value, atol=0, rtol=0, msg=key)
     # Frozen 0, 2, 3, 3 blocks in validations 0-3: the first validation only sees the inputs,
-    # the second fills depth 2, the third reads it and runs block 2, the fourth hits depth 3.
+    # the second fills depth 2, the third fills depth 3 (nothing is served before what enters the
+    # frozen blocks was compared unchanged), the fourth hits depth 3.
     assert served.served == [(0, 0), (0, 24), (0, 24), (24, 24)]
     assert served.rates == [None, 0.0, 0.0, 1.0]
     assert plain.served == [None] * 4 and plain.rates == [None] * 4

@@ -16,11 +16,16 @@ from recipes_cases import (
     hidden_states_module,
     hook_counting_module,
     scheduled_reference,
+    step_synced_metric_reference,
 )
 from recipes_cases import train_loader as recipes_loader
 
 from lightning_pipetx import ElasticPipelineStrategy
-from lightning_pipetx.strategy.model_checks import UnsupportedOutputsError, UnsupportedRecipeError
+from lightning_pipetx.strategy.model_checks import (
+    UnsupportedOutputsError,
+    UnsupportedRecipeError,
+    microbatches_for_training,
+)
 
 
 def test_shape_based_parameter_groups_survive_a_transition_and_resume_without_the_strategy(tmp_path):
@@ -121,12 +126,12 @@ def test_weight_averaging_under_a_pipeline_is_refused(tmp_path):
     assert "EMAWeightAveraging under a 2-stage pipeline" in output and "pipeline_length=1" in output
 
 
-def test_a_metric_synced_on_every_step_under_a_pipeline_is_refused(tmp_path):
-    # Only the last stage would reach its sync: the first would wait for gradients meanwhile.
-    output = run_workers("recipes_worker.py", 2, str(tmp_path), "step_synced_metric", expect_failure=True)
-    for rank in (0, 1):
-        assert f"[rank{rank}]: lightning_pipetx.strategy.model_checks.UnsupportedRecipeError: " in output
-    assert "metrics ['train_accuracy']" in output and "dist_sync_on_step=False" in output
+def test_a_metric_synced_on_every_step_syncs_over_the_last_stages_under_a_pipeline(tmp_path):
+    # The last stage alone runs the code after the model call: the metric's sync on each update
+    # (dist_sync_on_step=True) must not wait for the first stage, which waits for gradients.
+    run_workers("recipes_worker.py", 2, str(tmp_path), "step_synced_metric")
+    expected = step_synced_metric_reference()
+    assert [r["train_acc"] for r in _reports(tmp_path, "step_synced_metric")] == [pytest.approx(expected)] * 2
 
 
 @pytest.mark.parametrize("batch_norm", [True, False])
@@ -153,18 +158,19 @@ def test_sync_batchnorm_is_refused_for_a_model_with_batch_norms(batch_norm):
         assert trainer.global_step == 1
 
 
-def test_a_model_with_batch_norms_trains_on_whole_batches():
+def test_a_model_with_batch_norms_trains_on_whole_batches_unless_asked_otherwise(caplog):
     # In training a batch norm normalizes by the statistics of the batch it sees: a micro-batch's
-    # would give other gradients than one process's.
+    # gives other gradients than one process's.
     module = hook_counting_module()
+    assert microbatches_for_training("auto", module) == "auto"  # 2 * pipeline_length under a pipeline
     module.norm = torch.nn.BatchNorm1d(4)
-    with pytest.raises(UnsupportedRecipeError, match="num_microbatches=1"):
-        tm.make_trainer([], max_steps=1, strategy=ElasticPipelineStrategy(num_microbatches=2)).fit(
-            module, recipes_loader(8)
-        )
+    assert microbatches_for_training("auto", module) == 1
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        assert microbatches_for_training(4, module) == 4
+    assert "num_microbatches=4 with batch norms (norm, ...)" in caplog.text
     trainer = tm.make_trainer([], max_steps=1, strategy=ElasticPipelineStrategy(pipeline_length=1))
     trainer.fit(module, recipes_loader(8))
-    assert trainer.strategy.engine is None and trainer.strategy.autopipe.microbatches == 1
+    assert trainer.strategy.autopipe.microbatches == 1
 
 
 @pytest.mark.parametrize("mode", ["random_collate", "own_sampler"])

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_pipetx.autocache.guards import CHANGED_INPUT, CHANGED_PREFIX_INPUT, InputGuard
+from lightning_pipetx.autocache.guards import CHANGED_INPUT, CHANGED_PREFIX_INPUT, SERVED_STALE, InputGuard
 from lightning_pipetx.autocache.stopwatch import Stopwatch
 from lightning_pipetx.autocache.tiers import (
     TIER_NAMES,
@@ -159,7 +159,7 @@ class AutoCache:
         if self.guard.judge(compared, changed):
             self._changed(CHANGED_INPUT)
         elif self.prefix_guard.judge(prefix_compared, prefix_changed):
-            self._changed(CHANGED_PREFIX_INPUT)
+            self._changed(CHANGED_PREFIX_INPUT + ("" if self.strict else SERVED_STALE))  # strict: never served
         if disabled and self.enabled:
             self.disable("another rank switched it off")
         if not self.enabled:  # every rank alike: nobody reads the states again
@@ -429,6 +429,7 @@ class AutoCache:
         self.flush_writes()
         self._prefetched = None
         self._depths.clear()
+        self.budget_sharers.clear()
         if remove_files:
             for path in {self.directory, self.spill_directory}:
                 shutil.rmtree(path, ignore_errors=True)

@@ -52,8 +52,12 @@ CHANGED_INPUT = (
 
 CHANGED_PREFIX_INPUT = (
     "what enters the frozen blocks changed between epochs for samples the loader yielded unchanged (the step "
-    "changes its batch before the model call: noise, masking, mixing). The last epoch may have used states "
-    "cached from an earlier one for such samples; pass cache=False for an exact run."
+    "changes its batch before the model call: noise, masking, mixing)."
+)
+
+SERVED_STALE = (
+    " The last epoch may have used states cached from an earlier one for such samples; pass cache=False for an "
+    "exact run."
 )
 
 

@@ -42,10 +42,10 @@ from lightning_pipetx.strategy.model_checks import (
     UnsupportedOutputsError,
     microbatches_for_training,
     refuse_manual_optimization,
-    refuse_pipeline_recipes,
+    refuse_unconverted_batch_norms,
 )
 from lightning_pipetx.strategy.options import check_arguments
-from lightning_pipetx.strategy.output_relay import EvalMetricGroups
+from lightning_pipetx.strategy.output_relay import MetricGroups
 from lightning_pipetx.strategy.param_store import ParamStore
 from lightning_pipetx.strategy.predictions import QuietWriters, gather_loop_predictions
 from lightning_pipetx.strategy.topology import Layout
@@ -174,11 +174,12 @@ class ElasticPipelineStrategy(DDPStrategy):
         self.cache_ram_bytes = cache_ram_bytes
         self._cache_feed = CacheFeed(self._autocache)
         self._run_token = ""
-        self._private_cache = False  # a cache folder of this rank's own (no other rank removes it)
+        self._private_sites = False  # a loader was given cache folders of this rank's own, for it to remove
         self._transition_seconds: float | None = None
         self.last_transition: Transition | None = None  # what the last transition did on this rank
         self._output_checks: CollectedOutputChecks | None = None
-        self._eval_metrics = EvalMetricGroups()
+        self._eval_metrics = MetricGroups()
+        self._train_metrics = MetricGroups()
         self._quiet_writers = QuietWriters()
         self._agreement: FailureAgreement | None = None
         self._restored_profile: list[float] | None = None  # block costs from the checkpoint resumed
@@ -255,6 +256,7 @@ class ElasticPipelineStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         check_lightning_internals(trainer)
+        self._closed_plan, self._closed_fit = None, False
         self.accelerator.setup(trainer)
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:  # precision="16-mixed": one scale and one overflow decision for all stages
@@ -267,7 +269,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._frozen = 0
         self._autodp.reset()
         self._run_token = self.broadcast(uuid.uuid4().hex[:12] if self.is_global_zero else None)
-        self._private_cache = False
+        self._private_sites = False
         self._failed = False
         self._agreement = FailureAgreement(self.world_size, self.timeout)
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -281,7 +283,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._layout0 = plan.layout
         if fitting:
             refuse_manual_optimization(self.lightning_module)
-            refuse_pipeline_recipes(self.lightning_module, self._layer_sync, plan.layout.pipeline_length)
+            refuse_unconverted_batch_norms(self.lightning_module, self._layer_sync)
             # configure_optimizers sees every weight as one process would (it may group them by
             # shape or read them); the blocks this rank does not run are released after it.
             self.setup_optimizers(trainer)
@@ -291,7 +293,6 @@ class ElasticPipelineStrategy(DDPStrategy):
                 used_in = averaged_weights_used_in(callback, self.lightning_module, trainer.max_epochs)
                 self._refuse_cache_for_averaging(type(callback).__name__, used_in)
         self.engine = self._build_engine(plan)
-        self._closed_plan, self._closed_fit = None, False
         self.engine.profile_steps = self.profile_steps
         drop_optimizer_state(self._split.blocks, self.optimizers, self.engine.block_range)
         clip_norm_over_stages(
@@ -392,7 +393,7 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def _cache_site(self, layout: Layout, loader: DataLoader) -> CacheSite:
         if not shards_one_index_space(loader):  # the ranks' datasets may differ: no rank reads another's states
-            self._private_cache = True
+            self._private_sites = True
             return CacheSite(f"{self._run_token}-rank{self.global_rank}", self.node_rank, self.root_device, False)
         first_stages = sum(layout.coords(r)[1] == 0 for r in self._node_ranks())  # of this node
         return CacheSite(self._run_token, self.node_rank, self.root_device, share_host=first_stages > 1)
@@ -468,12 +469,24 @@ class ElasticPipelineStrategy(DDPStrategy):
         loss_scale = 1.0 / max(1, trainer.accumulate_grad_batches)
         indices, upcoming = self._cache_feed.training_keys()
         engine, step = self._require_engine(), self.lightning_module.training_step
-        with self.precision_plugin.train_step_context():
+        with self.precision_plugin.train_step_context(), self._training_metric_groups(engine):
             output = engine.train_step(step, args[0], args[1:], kwargs, loss_scale, indices, self._sync_grads, upcoming)
             dropped = self._cache_feed.dropped_samples()  # after the epoch's last batch only
             if dropped is not None and _another_epoch_may_follow(trainer):
                 engine.fill_cache(step, args[1:], kwargs, dropped[0], lambda: self._to_device(dropped[1]()))
         return output
+
+    @contextlib.contextmanager
+    def _training_metric_groups(self, engine: PipelineEngine) -> Generator[None, None, None]:
+        """Under a pipeline, metrics the last stages update in a training step sync among them."""
+        if engine.layout.pipeline_length == 1 or not engine.topology.is_last_stage:
+            yield
+            return
+        self._train_metrics.enter(self.lightning_module, engine.topology.stage_group)
+        try:
+            yield
+        finally:
+            self._train_metrics.exit()
 
     def _to_device(self, batch: Any) -> Any:
         """A batch of the training loader's, prepared as Lightning's loop prepares each: the
@@ -587,7 +600,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         """The optimizer's state as one process would hold it, gathered on global rank 0."""
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
         plan = self._saving_plan()
-        if self.engine is None and not self._closed_fit:
+        fitting = self.engine is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if not (fitting or self._closed_fit):
             raise RuntimeError(
                 "trainer.save_checkpoint after trainer.validate, test or predict under ElasticPipelineStrategy: each "
                 "rank now holds the optimizer state of its own blocks only. Save right after fit, or pass "
@@ -651,7 +665,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         if self._cache_feed.open:
             if not self._failed:
                 self.barrier("pipetx-cache")  # every rank is done with the files
-            self._cache_feed.close(remove_files=self.local_rank == 0 or self._private_cache)
+            self._cache_feed.close(remove_files=self.local_rank == 0 or self._private_sites)
         if self.engine is not None:
             if self._failed:
                 store, path = self._store, self._split.path

@@ -13,11 +13,13 @@ set-up: the strategy runs each training step's backwards itself.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
-from torchmetrics import Metric
+
+log = logging.getLogger("lightning_pipetx")
 
 COLLECTED_OUTPUTS = ("output_hidden_states", "output_attentions", "output_router_logits")
 
@@ -38,7 +40,7 @@ def refuse_manual_optimization(module: Any) -> None:
 
 
 class UnsupportedRecipeError(ValueError):
-    """A Trainer or module option that would hang or train differently under a pipeline."""
+    """A Trainer or module option that the strategy would run differently from Lightning's DDP."""
 
 
 def batch_norm_names(module: nn.Module) -> list[str]:
@@ -46,41 +48,33 @@ def batch_norm_names(module: nn.Module) -> list[str]:
 
 
 def microbatches_for_training(num_microbatches: int | str, module: nn.Module) -> int | str:
-    """``num_microbatches`` for fit: a model with batch norms trains on whole batches (``"auto"``
-    becomes 1), since a batch norm in training normalizes each micro-batch by its own statistics
-    and its gradients would differ from one process's; more than 1 is refused."""
+    """``num_microbatches`` for fit: ``"auto"`` is 1 for a model with batch norms, which in
+    training normalize each micro-batch by its own statistics (other gradients than one
+    process's); more than 1, asked for, is kept with a warning (exact for batch norms in eval mode)."""
     norms = batch_norm_names(module)
     if not norms or num_microbatches == 1:
         return num_microbatches
     if num_microbatches == "auto":
         return 1
-    raise UnsupportedRecipeError(
-        f"num_microbatches={num_microbatches} with batch norms ({norms[0]}, ...): in training a batch norm "
-        f"normalizes each micro-batch by its own statistics, so the gradients would differ from one process's. "
-        f"Pass num_microbatches=1 (or 'auto', which is 1 for such a model)."
+    log.warning(
+        "pipetx: num_microbatches=%s with batch norms (%s, ...): in training a batch norm normalizes each "
+        "micro-batch by its own statistics, so its gradients differ from one process's (exact for batch norms "
+        "in eval mode). num_microbatches=1 (or 'auto') trains on whole batches.",
+        num_microbatches,
+        norms[0],
     )
+    return num_microbatches
 
 
-def refuse_pipeline_recipes(module: nn.Module, layer_sync: Any, pipeline_length: int) -> None:
-    """Refuse ``Trainer(sync_batchnorm=True)`` for a model with batch norms (the strategy does
-    not convert them), and under a pipeline of more than one stage a metric that syncs over
-    every rank after each update in ``training_step``, which the last stage alone reaches."""
+def refuse_unconverted_batch_norms(module: nn.Module, layer_sync: Any) -> None:
+    """Refuse ``Trainer(sync_batchnorm=True)`` for a model with batch norms: the strategy does not
+    convert them."""
     batch_norms = batch_norm_names(module)
     if layer_sync is not None and batch_norms:
         raise UnsupportedRecipeError(
             f"Trainer(sync_batchnorm=True): ElasticPipelineStrategy does not sync batch norms ({batch_norms[0]}, "
             f"...) over its replicas. Pass sync_batchnorm=False (each replica normalizes its own batch), or use "
             f"Lightning's DDPStrategy."
-        )
-    if pipeline_length <= 1:
-        return
-    synced = [name for name, m in module.named_modules() if isinstance(m, Metric) and m.dist_sync_on_step]
-    if synced:
-        raise UnsupportedRecipeError(
-            f"metrics {synced} sync over every rank after each update (dist_sync_on_step=True), but under a "
-            f"{pipeline_length}-stage pipeline the code after the model call in training_step runs on the last "
-            f"stage only, so the other stages would never join the sync. Create them with dist_sync_on_step=False "
-            f"(the epoch's value is synced over every replica all the same), or pass pipeline_length=1."
         )
 
 

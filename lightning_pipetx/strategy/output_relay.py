@@ -183,10 +183,12 @@ def share_output(output: Any, topology: Topology, device: torch.device) -> Any:
     return _TensorUnpickler(io.BytesIO(data), [received[i] for i in range(len(specs))]).load()
 
 
-class EvalMetricGroups:
-    """While evaluation steps run on every stage, each stage updates its own copy of the
-    module's torchmetrics metrics: they then sync over one rank per replica (this stage's
-    group), not over the world, which would count every replica's samples once per stage."""
+class MetricGroups:
+    """Points the module's torchmetrics metrics at one stage's group while steps run: in
+    evaluation, where every stage updates its own copy, so that they sync over one rank per
+    replica, not over the world (which would count every replica's samples once per stage); in
+    training, on the last stages (the only ones that reach the code after the model call), so
+    that a metric synced on every update (``dist_sync_on_step``) syncs over the replicas."""
 
     def __init__(self) -> None:
         self._changed: list[Metric] = []

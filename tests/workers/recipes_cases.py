@@ -6,8 +6,9 @@ import lightning.pytorch as pl
 import torch
 from equivalence_cases import build_case_module
 from lightning.pytorch.plugins import MixedPrecision
-from tiny_models import TASKS, make_trainer
+from tiny_models import NUM_LABELS, TASKS, make_trainer
 from torch.utils.data import DataLoader, DistributedSampler
+from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_pipetx import FreezeCallback
 
@@ -92,6 +93,32 @@ def scheduled_reference() -> dict[str, torch.Tensor]:
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
     make_trainer([], max_epochs=2).fit(module, train_loader(GLOBAL_BATCH, sampler))
     return {"state": module.state_dict(), "estimated_steps": module.estimated_steps}
+
+
+def step_synced_metric_module() -> pl.LightningModule:
+    """A tiny BERT whose training step updates an accuracy synced on every update
+    (``dist_sync_on_step=True``) after the model call, and logs it for the epoch."""
+    module = build_case_module({"model": "bert", "lr": 1e-3})
+    module.train_accuracy = MulticlassAccuracy(NUM_LABELS, dist_sync_on_step=True)
+
+    def training_step(batch, batch_idx):
+        out = module.model(**batch)
+        module.train_accuracy(out.logits.argmax(-1), batch["labels"])
+        module.log("train_acc", module.train_accuracy, on_step=False, on_epoch=True)
+        return out.loss
+
+    module.training_step = training_step
+    return module
+
+
+def step_synced_metric_reference() -> float:
+    """The epoch's training accuracy of :func:`step_synced_metric_module` in one process, same batches."""
+    module = step_synced_metric_module()
+    dataset = TASKS["bert"].dataset(size=32, seed=1)
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+    trainer = make_trainer([], max_epochs=1)
+    trainer.fit(module, train_loader(GLOBAL_BATCH, sampler))
+    return float(trainer.callback_metrics["train_acc"])
 
 
 def fp16_module(optimizer: str = "adamw") -> pl.LightningModule:

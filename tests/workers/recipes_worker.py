@@ -15,7 +15,6 @@ from datetime import timedelta
 
 import lightning.pytorch as pl
 import torch
-import torchmetrics
 from lightning.pytorch.callbacks import Callback, EMAWeightAveraging
 from lightning.pytorch.utilities.model_summary import summarize
 from recipes_cases import (
@@ -28,6 +27,7 @@ from recipes_cases import (
     intermediates_module,
     random_masking,
     scheduled_module,
+    step_synced_metric_module,
     train_loader,
 )
 from worker_exit import run_worker
@@ -62,9 +62,8 @@ def main() -> None:
         "intermediates": intermediates_module,
         "scheduled": scheduled_module,
         "scheduled_uneven": scheduled_module,
+        "step_synced_metric": step_synced_metric_module,
     }.get(mode, hook_counting_module)()
-    if mode == "step_synced_metric":  # updated in training_step, which the last stage alone finishes
-        module.train_accuracy = torchmetrics.classification.MulticlassAccuracy(3, dist_sync_on_step=True)
     summary = SummaryAtFitStart()
     freeze = FreezeCallback() if mode.startswith("fp16") else None  # measures gradient norms per step
     if mode == "scheduled_uneven":  # 2x1 -> 1x2 after epoch 0
@@ -80,8 +79,8 @@ def main() -> None:
         strategy=ElasticPipelineStrategy(pipeline_length=length, num_microbatches=2, timeout=timeout),
         plugins=[fp16_plugin()] if mode.startswith("fp16") else None,
         use_distributed_sampler=mode != "own_sampler",
-        max_steps=-1 if mode.startswith("scheduled") else STEPS,
-        max_epochs={"scheduled": 2, "scheduled_uneven": 3}.get(mode),
+        max_steps=-1 if mode.startswith("scheduled") or mode == "step_synced_metric" else STEPS,
+        max_epochs={"scheduled": 2, "scheduled_uneven": 3, "step_synced_metric": 1}.get(mode),
         callbacks=[summary, epochs]
         + ([EMAWeightAveraging(decay=0.9)] if mode == "ema" else [])
         + ([freeze] if freeze else []),
@@ -107,6 +106,8 @@ def main() -> None:
         report["global_step"] = trainer.global_step
         report["epochs"] = epochs.rows
         report["last_lr"] = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
+    elif mode == "step_synced_metric":
+        report["train_acc"] = float(trainer.callback_metrics["train_acc"])
     else:
         report["scale"] = trainer.precision_plugin.scaler.get_scale()
     if freeze is not None:
