@@ -102,17 +102,12 @@ def test_fp16_with_a_fused_optimizer_under_a_pipeline_is_refused(tmp_path):
 @pytest.mark.parametrize("strategy", ["auto", "elastic"])
 def test_clipping_by_norm_with_a_fused_optimizer_under_fp16_is_refused_as_plain_lightning_refuses_it(strategy):
     # The fused step unscales the gradients itself: clipped before it, they still carry the scale.
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = tm.make_trainer(
+        [],
         strategy=ElasticPipelineStrategy() if strategy == "elastic" else "auto",
         plugins=[MixedPrecision("16-mixed", "cpu")],
         gradient_clip_val=1.0,
         max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
         trainer.fit(fp16_module("adamw_fused"), recipes_loader(8))
@@ -139,17 +134,7 @@ def test_sync_batchnorm_is_refused_for_a_model_with_batch_norms(batch_norm):
     module = hook_counting_module()
     if batch_norm:
         module.norm = torch.nn.BatchNorm1d(4)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=ElasticPipelineStrategy(),
-        sync_batchnorm=True,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = tm.make_trainer([], strategy=ElasticPipelineStrategy(), sync_batchnorm=True, max_steps=1)
     if batch_norm:
         with pytest.raises(UnsupportedRecipeError, match="sync_batchnorm=False"):
             trainer.fit(module, recipes_loader(8))
