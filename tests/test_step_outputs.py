@@ -56,6 +56,12 @@ def test_log_calls_travel_pickled_only_when_they_change(everywhere):
     assert everywhere[0]["metrics"]["late"] == pytest.approx(2 * everywhere[0]["metrics"]["train_loss"])
 
 
+def test_a_logged_value_is_what_it_held_at_the_call_and_the_last_call_of_a_step_counts(everywhere):
+    for report in everywhere:
+        assert report["metrics"]["changed_after"] == pytest.approx(report["metrics"]["train_loss"])
+        assert report["metrics"]["twice"] == 3.0
+
+
 def test_per_token_predictions_are_gathered_in_the_documented_order(everywhere):
     # 13 samples of varying length, batch 3: replica 0 reads 3 batches, replica 1 reads 2; the
     # sequence length differs from batch to batch, so rank 0 gets the batches whole, interleaved.

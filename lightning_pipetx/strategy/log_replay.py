@@ -102,13 +102,14 @@ class LogRecorder:
 
     def __init__(self, module: pl.LightningModule) -> None:
         self.module = module
-        self._calls: dict[str, list[tuple[Any, dict[str, Any], float]]] = {}
+        self._calls: dict[str, list[tuple[Any, dict[str, Any], float]]] = {}  # one call per micro-batch
         self._weight = 1
+        self._logged_now: set[str] = set()  # names logged on the current micro-batch
         self._metric_paths: dict[int, str] = {}  # id of a logged torchmetrics Metric -> its module path
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[LogRecorder]:
-        self._calls = {}
+        self._calls, self._logged_now = {}, set()
         self.module.log = self._record  # instance attribute shadows LightningModule.log
         try:
             yield self
@@ -118,6 +119,7 @@ class LogRecorder:
     def set_weight(self, weight: int) -> None:
         """Samples in the micro-batch whose calls follow."""
         self._weight = weight
+        self._logged_now = set()
 
     def _record(self, *args: Any, **kwargs: Any) -> None:
         arguments = _LOG_SIGNATURE.bind(self.module, *args, **kwargs).arguments
@@ -125,7 +127,13 @@ class LogRecorder:
         name, value = arguments.pop("name"), arguments.pop("value")
         batch_size = arguments.pop("batch_size", None)
         weight = self._weight if batch_size is None else batch_size
-        self._calls.setdefault(name, []).append((value, arguments, weight))
+        if isinstance(value, torch.Tensor):  # what it holds now: the step may change it after the call
+            value = value.detach().clone()
+        calls = self._calls.setdefault(name, [])
+        if name in self._logged_now:  # logged again on this micro-batch: the last call counts, as in Lightning
+            calls.pop()
+        self._logged_now.add(name)
+        calls.append((value, arguments, weight))
 
     def _metric_path(self, name: str, metric: Metric) -> str:
         path = self._metric_paths.get(id(metric))

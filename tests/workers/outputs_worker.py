@@ -55,6 +55,11 @@ class Recipes(pl.LightningModule):
         self.log("train_loss", out.loss)
         if batch_idx >= 2:
             self.log("late", 2 * out.loss)
+        self.log("twice", 1.0)
+        self.log("twice", 3.0)  # the last call of a step counts
+        logged = out.loss.detach().clone()
+        self.log("changed_after", logged)
+        logged.add_(100.0)  # the value logged is what it held at the call
         loss = out.loss + self.head(out.logits).pow(2).mean()
         return {"loss": loss, "label0": (batch["labels"] == 0).float().mean()}
 
