@@ -15,6 +15,7 @@ from lightning_pipetx import ElasticPipelineStrategy, Layout, find_blocks
 from lightning_pipetx.strategy.autopipe import AutoPipe
 from lightning_pipetx.strategy.microbatch import BatchSplitError, chunk, join_outputs, split_batch, take
 from lightning_pipetx.strategy.partition import partition, stage_costs
+from lightning_pipetx.strategy.predictions import merge_shards
 from lightning_pipetx.strategy.stage_runner import schedule_actions
 
 
@@ -329,3 +330,25 @@ def test_a_seeded_run_trains_as_lightning_ddp_to_the_bit(tmp_path, freezing):
     assert ddp.keys() == ours.keys()
     for name, value in ddp.items():
         assert torch.equal(value, ours[name]), name
+
+
+def _layer_stacked(samples):
+    """A prediction whose first dimension is not the batch: 3 layers x samples x 1."""
+    return torch.stack([torch.tensor(samples, dtype=torch.float).unsqueeze(-1) + 100 * layer for layer in range(3)])
+
+
+def test_predictions_whose_first_dimension_is_not_the_batch_are_returned_as_produced():
+    # 2 replicas of 2-sample batches; replica r predicts samples r, r + 2, ...
+    shards = [[_layer_stacked([0, 2]), _layer_stacked([4, 6])], [_layer_stacked([1, 3]), _layer_stacked([5, 7])]]
+    merged = merge_shards(shards, [[2, 2], [2, 2]])
+    assert [m.tolist() for m in merged] == [
+        b.tolist() for b in (shards[0][0], shards[1][0], shards[0][1], shards[1][1])
+    ]
+    # per-sample predictions of the same batches are joined back into dataset order
+    rows = [[torch.tensor([0.0, 2.0]), torch.tensor([4.0, 6.0])], [torch.tensor([1.0, 3.0]), torch.tensor([5.0, 7.0])]]
+    assert [m.tolist() for m in merge_shards(rows, [[2, 2], [2, 2]])] == [
+        [0.0, 1.0],
+        [2.0, 3.0],
+        [4.0, 5.0],
+        [6.0, 7.0],
+    ]

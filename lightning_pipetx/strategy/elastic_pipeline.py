@@ -47,7 +47,7 @@ from lightning_pipetx.strategy.model_checks import (
 from lightning_pipetx.strategy.options import check_arguments
 from lightning_pipetx.strategy.output_relay import MetricGroups
 from lightning_pipetx.strategy.param_store import ParamStore
-from lightning_pipetx.strategy.predictions import QuietWriters, gather_loop_predictions
+from lightning_pipetx.strategy.predictions import QuietWriters, gather_loop_predictions, input_rows
 from lightning_pipetx.strategy.topology import Layout
 from lightning_pipetx.strategy.transition import drop_optimizer_state
 
@@ -180,6 +180,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._output_checks: CollectedOutputChecks | None = None
         self._eval_metrics = MetricGroups()
         self._train_metrics = MetricGroups()
+        self._predict_rows: dict[int, list[int | None]] = {}  # per predict dataloader: each input batch's samples
         self._quiet_writers = QuietWriters()
         self._agreement: FailureAgreement | None = None
         self._restored_profile: list[float] | None = None  # block costs from the checkpoint resumed
@@ -524,6 +525,8 @@ class ElasticPipelineStrategy(DDPStrategy):
             return self._eval(self.lightning_module.test_step, args, kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        loader = args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0)
+        self._predict_rows.setdefault(loader, []).append(input_rows(args[0]))
         with self.precision_plugin.predict_step_context():
             return self._eval(self.lightning_module.predict_step, args, kwargs)
 
@@ -550,6 +553,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._evaluation_ends()
 
     def on_predict_start(self) -> None:
+        self._predict_rows = {}
         self._evaluation_starts()
         self._quiet_writers.enter(self.lightning_module.trainer.callbacks, self._require_engine().topology)
 
@@ -673,7 +677,7 @@ class ElasticPipelineStrategy(DDPStrategy):
             else:
                 trainer = self.lightning_module.trainer
                 if trainer.state.fn == TrainerFn.PREDICTING:  # here, as a replica without batches skips the hooks
-                    gather_loop_predictions(trainer.predict_loop, self.engine.topology)
+                    gather_loop_predictions(trainer.predict_loop, self.engine.topology, self._predict_rows)
                 self.engine.share_updated_params(self.optimizers)
                 self.engine.close(restore_weights=True)
                 self._closed_plan, self._closed_fit = self.engine.plan, trainer.state.fn == TrainerFn.FITTING

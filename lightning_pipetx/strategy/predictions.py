@@ -5,7 +5,8 @@ every stage), so every rank holds its replica's shard, as under DDP. Global rank
 receives the other replicas' shards, from their last stages, and returns all predictions:
 
 * in dataset order, re-batched with the first batch's size, when the batches can be joined
-  (their tensors agree in every dimension but the first): Lightning's prediction sampler
+  (each tensor has its input batch's samples along its first dimension, and the same shape
+  beyond it in every batch): Lightning's prediction sampler
   gives replica ``r`` of ``D`` the samples ``r, r + D, r + 2D, ...`` without padding, and
   the shards are interleaved back;
 * otherwise (per-token outputs whose length changes from batch to batch, or predictions
@@ -25,20 +26,30 @@ from lightning_pipetx.strategy.microbatch import BatchSplitError, _tensors, batc
 from lightning_pipetx.strategy.topology import Topology
 
 
-def gather_predictions(local: list[Any], topology: Topology) -> list[Any]:
-    """This rank's predictions; on global rank 0, every replica's (a collective over the last stages)."""
+def input_rows(batch: Any) -> int | None:
+    """The samples of an input batch (None where it has no batch dimension to tell)."""
+    try:
+        return batch_size(batch)
+    except BatchSplitError:
+        return None
+
+
+def gather_predictions(local: list[Any], rows: list[int | None], topology: Topology) -> list[Any]:
+    """This rank's predictions (``rows``: the samples of the input batch of each); on global rank
+    0, every replica's (a collective over the last stages)."""
     if topology.replicas == 1 or not topology.is_last_stage:
         return local
     gathered: list[Any] | None = [None] * topology.replicas if topology.global_rank == 0 else None
-    dist.gather_object(local, gathered, dst=0, group=topology.stage_group)  # a replica without batches too
+    dist.gather_object((local, rows), gathered, dst=0, group=topology.stage_group)  # a replica without batches too
     if topology.global_rank != 0:
         return local
-    return merge_shards(gathered)
+    return merge_shards([shard for shard, _ in gathered], [sizes for _, sizes in gathered])
 
 
-def gather_loop_predictions(loop: Any, topology: Topology) -> None:
+def gather_loop_predictions(loop: Any, topology: Topology, rows: dict[int, list[int | None]]) -> None:
     """Gather into the lists that ``trainer.predict`` returns, in place (a collective over the
-    last stages); a loop that had no batch on this replica takes part with empty lists."""
+    last stages); a loop that had no batch on this replica takes part with empty lists.
+    ``rows[d]``: the samples of each input batch of dataloader ``d``."""
     if not loop.return_predictions:
         return
     if loop.skip:
@@ -46,27 +57,32 @@ def gather_loop_predictions(loop: Any, topology: Topology) -> None:
     else:
         predictions = loop.predictions
         per_loader = [predictions] if loop.num_dataloaders == 1 else predictions
-    for local in per_loader:
-        local[:] = gather_predictions(local, topology)
+    for index, local in enumerate(per_loader):
+        local[:] = gather_predictions(local, rows.get(index, []) if local else [], topology)
 
 
-def _joinable(batches: list[Any]) -> bool:
+def _joinable(batches: list[Any], rows: list[int | None]) -> bool:
+    """Whether every prediction has its input batch's samples along its first dimension, and the
+    same shape beyond it."""
+    if len(rows) != len(batches):
+        return False
     try:
-        for batch in batches:
-            batch_size(batch)
+        if any(batch_size(batch) != size for batch, size in zip(batches, rows)):
+            return False
     except BatchSplitError:
         return False
     shapes = [[(t.dim(), t.shape[1:]) for t in _tensors(batch)] for batch in batches]
     return all(s == shapes[0] for s in shapes) and all(dim > 0 for dim, _ in shapes[0])
 
 
-def merge_shards(shards: list[list[Any]]) -> list[Any]:
-    """All replicas' predictions (``shards[r]``: replica ``r``'s batches), in the documented order."""
+def merge_shards(shards: list[list[Any]], rows: list[list[int | None]]) -> list[Any]:
+    """All replicas' predictions (``shards[r]``: replica ``r``'s batches; ``rows[r]``: the samples
+    of their input batches), in the documented order."""
     batches = [batch for shard in shards for batch in shard]
     if not batches:
         return []
     replicas = len(shards)
-    if not _joinable(batches):
+    if not _joinable(batches, [size for sizes in rows for size in sizes]):
         longest = max(len(shard) for shard in shards)
         return [shards[r][b] for b in range(longest) for r in range(replicas) if b < len(shards[r])]
     joined = [join_outputs(shard, [batch_size(b) for b in shard]) for shard in shards if shard]
