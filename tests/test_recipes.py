@@ -233,3 +233,12 @@ def test_a_transition_keeps_the_steps_of_an_epoch_where_more_replicas_would_pad_
         assert [e["batches"] for e in report["epochs"]] == [4, 4, 4]
         assert report["estimated_steps"] == report["global_step"] == 12
         assert report["last_lr"] == 0.0
+
+
+def test_a_sum_over_the_replicas_counts_every_sample_once_in_the_epoch_a_transition_ends(tmp_path):
+    # The epoch's values are reduced after the transition that ends it (2x1 -> 1x2): logged under
+    # the old layout, each on both stages, they would be summed twice over the new replicas.
+    run_workers("recipes_worker.py", 2, str(tmp_path), "summed_count")
+    for report in _reports(tmp_path, "summed_count"):
+        assert [e["layout"] for e in report["epochs"]] == ["2x1", "1x2", "1x2"]
+        assert report["counts"] == [32.0, 32.0, 32.0]

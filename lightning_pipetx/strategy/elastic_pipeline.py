@@ -175,6 +175,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._cache_feed = CacheFeed(self._autocache)
         self._run_token = ""
         self._private_sites = False  # a loader was given cache folders of this rank's own, for it to remove
+        self._logged_layout: Layout | None = None  # the layout the epoch's training values were logged under
         self._transition_seconds: float | None = None
         self.last_transition: Transition | None = None  # what the last transition did on this rank
         self._output_checks: CollectedOutputChecks | None = None
@@ -258,6 +259,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         check_lightning_internals(trainer)
         self._closed_plan, self._closed_fit = None, False
+        self._logged_layout = None
         self.accelerator.setup(trainer)
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:  # precision="16-mixed": one scale and one overflow decision for all stages
@@ -370,6 +372,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         )
         self.last_transition = done
         self._transition_seconds = done.seconds
+        if trainer.training:  # the epoch's logged values are reduced after this, until the next epoch starts
+            self._logged_layout = engine.layout
         if self.is_global_zero:
             log.info("pipetx: frozen %d->%d blocks, %s by rank 0", previous, frozen_blocks, done.describe())
 
@@ -417,6 +421,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         if batch_idx <= 1:  # the first step of the run, and then every epoch's
             self._require_engine().check_batches(everywhere=True)
         if batch_idx == 0:
+            self._logged_layout = None  # the last epoch's values are reduced by now
             self._autocache.begin_epoch(self.world_size)
             layout = self._require_engine().layout
             values = {"pipeline_length": layout.pipeline_length, "replicas": layout.replicas}
@@ -572,7 +577,14 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     # ---------------------------------------------------- collectives
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        """Reduce over the replicas (this stage's group): every stage holds the same logged values."""
+        """Reduce over the replicas (this stage's group): every stage holds the same logged values.
+        Between a transition and the next epoch, the epoch's training values were logged under the
+        old layout, each replica's on all its stages: over the world, a sum counted once per stage."""
+        logged_under = self._logged_layout
+        if group is None and logged_under is not None:
+            reduced = super().reduce(tensor, group=None, reduce_op=reduce_op)
+            summed = reduce_op == ReduceOp.SUM or (isinstance(reduce_op, str) and reduce_op.lower() == "sum")
+            return reduced / logged_under.pipeline_length if summed else reduced
         if group is None and self.engine is not None:
             group = self.engine.topology.stage_group
         return super().reduce(tensor, group=group, reduce_op=reduce_op)

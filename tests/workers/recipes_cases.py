@@ -121,6 +121,19 @@ def step_synced_metric_reference() -> float:
     return float(trainer.callback_metrics["train_acc"])
 
 
+def summed_count_module() -> pl.LightningModule:
+    """A tiny BERT that logs the samples of each step with ``reduce_fx="sum"`` over the replicas."""
+    module = build_case_module({"model": "bert", "lr": 1e-3})
+
+    def training_step(batch, batch_idx):
+        count = float(len(batch["labels"]))
+        module.log("count", count, reduce_fx="sum", sync_dist=True, on_step=False, on_epoch=True)
+        return module.model(**batch).loss
+
+    module.training_step = training_step
+    return module
+
+
 def fp16_module(optimizer: str = "adamw") -> pl.LightningModule:
     module = build_case_module({"model": "bert", "lr": 1e-3, "optimizer": optimizer})
     first_block = module.model.bert.encoder.layer[0]

@@ -1,7 +1,7 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
 rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | ema | step_synced_metric)
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | ema | step_synced_metric | summed_count)
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do) and
 "own_sampler" turns Lightning's distributed sampler off: both give the two stages different
@@ -28,6 +28,7 @@ from recipes_cases import (
     random_masking,
     scheduled_module,
     step_synced_metric_module,
+    summed_count_module,
     train_loader,
 )
 from worker_exit import run_worker
@@ -45,6 +46,11 @@ class EpochSteps(Callback):
 
     def __init__(self):
         self.rows = []
+        self.counts = []  # summed_count: the last epoch's "count", read once Lightning reduced it
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch > 0 and "count" in trainer.callback_metrics:
+            self.counts.append(float(trainer.callback_metrics["count"]))
 
     def on_train_epoch_end(self, trainer, pl_module):
         self.rows.append({"layout": str(trainer.strategy.layout), "batches": trainer.num_training_batches})
@@ -63,10 +69,11 @@ def main() -> None:
         "scheduled": scheduled_module,
         "scheduled_uneven": scheduled_module,
         "step_synced_metric": step_synced_metric_module,
+        "summed_count": summed_count_module,
     }.get(mode, hook_counting_module)()
     summary = SummaryAtFitStart()
     freeze = FreezeCallback() if mode.startswith("fp16") else None  # measures gradient norms per step
-    if mode == "scheduled_uneven":  # 2x1 -> 1x2 after epoch 0
+    if mode in ("scheduled_uneven", "summed_count"):  # 2x1 -> 1x2 after epoch 0
         freeze = FreezeCallback(alpha=3 / 4, signal="schedule")
     epochs = EpochSteps()
     length = 1 if mode == "fp16_fused_replicas" else 2
@@ -79,8 +86,8 @@ def main() -> None:
         strategy=ElasticPipelineStrategy(pipeline_length=length, num_microbatches=2, timeout=timeout),
         plugins=[fp16_plugin()] if mode.startswith("fp16") else None,
         use_distributed_sampler=mode != "own_sampler",
-        max_steps=-1 if mode.startswith("scheduled") or mode == "step_synced_metric" else STEPS,
-        max_epochs={"scheduled": 2, "scheduled_uneven": 3, "step_synced_metric": 1}.get(mode),
+        max_steps=-1 if mode.startswith("scheduled") or mode in ("step_synced_metric", "summed_count") else STEPS,
+        max_epochs={"scheduled": 2, "scheduled_uneven": 3, "step_synced_metric": 1, "summed_count": 3}.get(mode),
         callbacks=[summary, epochs]
         + ([EMAWeightAveraging(decay=0.9)] if mode == "ema" else [])
         + ([freeze] if freeze else []),
@@ -108,6 +115,9 @@ def main() -> None:
         report["last_lr"] = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
     elif mode == "step_synced_metric":
         report["train_acc"] = float(trainer.callback_metrics["train_acc"])
+    elif mode == "summed_count":
+        report["counts"] = epochs.counts + [float(trainer.callback_metrics["count"])]
+        report["epochs"] = epochs.rows
     else:
         report["scale"] = trainer.precision_plugin.scaler.get_scale()
     if freeze is not None:
