@@ -13,6 +13,7 @@ from transformers import BatchEncoding
 
 from lightning_pipetx import ElasticPipelineStrategy, Layout, find_blocks
 from lightning_pipetx.strategy.autopipe import AutoPipe
+from lightning_pipetx.strategy.log_replay import LogRecorder
 from lightning_pipetx.strategy.microbatch import BatchSplitError, chunk, join_outputs, split_batch, take
 from lightning_pipetx.strategy.partition import partition, stage_costs
 from lightning_pipetx.strategy.predictions import merge_shards
@@ -352,3 +353,15 @@ def test_predictions_whose_first_dimension_is_not_the_batch_are_returned_as_prod
         [4.0, 5.0],
         [6.0, 7.0],
     ]
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_a_log_call_naming_a_process_group_is_refused_under_a_pipeline(pipelined):
+    # Replayed on every stage, where the group's ranks hold other stages (and a group cannot be pickled).
+    recorder = LogRecorder(build_task("bert", seed=0), pipelined=pipelined)
+    with recorder.capture():
+        if pipelined:
+            with pytest.raises(ValueError, match="Leave sync_dist_group unset"):
+                recorder.module.log("loss", 1.0, sync_dist_group=object())
+        else:  # one stage: nothing is replayed, the call reaches Lightning as written
+            recorder.module.log("loss", 1.0, sync_dist_group=object())

@@ -85,7 +85,7 @@ class PipelineEngine:
             timeout,
         )
         self.runner.on_last_backward = self.grad_sync.arm
-        self.recorder = LogRecorder(module)
+        self.recorder = LogRecorder(module, pipelined=self.topology.pipeline_length > 1)
         self.log_share = LogShare(self.topology, device)
         self.profile_steps = 0  # training steps still to time, after one warm-up step
         self._steps = 0

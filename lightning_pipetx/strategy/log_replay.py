@@ -100,8 +100,9 @@ def _merge(values: list[Any], weights: list[float], how: str, name: str, device:
 class LogRecorder:
     """Captures the ``self.log`` calls the user's training step makes on each micro-batch."""
 
-    def __init__(self, module: pl.LightningModule) -> None:
+    def __init__(self, module: pl.LightningModule, pipelined: bool = False) -> None:
         self.module = module
+        self.pipelined = pipelined  # the calls are replayed on every stage of the replica
         self._calls: dict[str, list[tuple[Any, dict[str, Any], float]]] = {}  # one call per micro-batch
         self._weight = 1
         self._logged_now: set[str] = set()  # names logged on the current micro-batch
@@ -126,6 +127,12 @@ class LogRecorder:
         arguments.pop("self")
         name, value = arguments.pop("name"), arguments.pop("value")
         batch_size = arguments.pop("batch_size", None)
+        if self.pipelined and arguments.get("sync_dist_group") is not None:
+            raise ValueError(
+                f"self.log({name!r}, ..., sync_dist_group=...) in training_step under a pipeline: the call is "
+                f"replayed on every stage of the replica, where the group's ranks hold other stages. Leave "
+                f"sync_dist_group unset: sync_dist=True then syncs over the replicas."
+            )
         weight = self._weight if batch_size is None else batch_size
         if isinstance(value, torch.Tensor):  # what it holds now: the step may change it after the call
             value = value.detach().clone()
