@@ -23,7 +23,8 @@ machine whose speed drifts favours none of them). Prints wall time (fit, validat
 of the same seed (mean over the seeds that reach it, and how many), final and best validation
 accuracy and test accuracy (``--seeds`` vary the initialisation and the shuffle;
 ``--split-seed`` the movies in each split), the ideal speed-up of the freeze schedule by the
-block-count model of :func:`ideal_speedup` (not a ceiling) beside the measured one; writes JSON and a PNG of validation accuracy against wall time.
+block-count model of :func:`ideal_speedup` (not a ceiling) beside the measured one; writes
+JSON and a PNG of validation accuracy against wall time.
 Usage: python benchmarks/finetune.py [--small | --full] [--nprocs 2] [--seeds 0,1] [--accelerator cpu]
 [--pretrained auto | MODEL_DIR]
 (``make demo`` runs ``ddp`` and ``full`` on a smaller subset, the full system starting as a 2-stage pipeline.)

@@ -77,8 +77,8 @@ class ElasticPipelineStrategy(DDPStrategy):
             ``memory_budget`` (the shortest pipeline that fits: one stage if the model fits a
             device), up to one node and the number of blocks.
         num_microbatches: micro-batches per batch. ``"auto"``: 1 without a pipeline, else
-            ``2 * pipeline_length`` (1 in fit for a model with batch norms, where more is
-            refused). A batch smaller than this is split into one-sample micro-batches.
+            ``2 * pipeline_length`` (1 in fit for a model with batch norms, where more splits
+            with a warning). A batch smaller than this is split into one-sample micro-batches.
         schedule: ``"gpipe"`` (all forwards, then all backwards) or ``"1f1b"`` (bounded memory).
         blocks: dotted path of the block list inside the LightningModule; found when None.
         elastic: compress the pipeline and add replicas as blocks freeze.
