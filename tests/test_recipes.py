@@ -241,4 +241,26 @@ def test_a_sum_over_the_replicas_counts_every_sample_once_in_the_epoch_a_transit
     run_workers("recipes_worker.py", 2, str(tmp_path), "summed_count")
     for report in _reports(tmp_path, "summed_count"):
         assert [e["layout"] for e in report["epochs"]] == ["2x1", "1x2", "1x2"]
-        assert report["counts"] == [32.0, 32.0, 32.0]
+        assert report["values"]["count"] == [32.0, 32.0, 32.0]
+
+
+def test_training_metrics_of_any_state_give_the_epoch_value_of_every_replicas_samples(tmp_path):
+    # Under a pipeline only the last stage updates a metric in training_step; the other stages'
+    # copies keep their initial states (empty lists, zeros). The epoch's sync reads the last
+    # stages of the layout the epoch trained under: 2x1, then 1x2 after the transition.
+    from torchmetrics.functional.classification import multiclass_auroc
+
+    run_workers("recipes_worker.py", 2, str(tmp_path), "epoch_metrics")
+    reports = _reports(tmp_path, "epoch_metrics")
+    assert [e["layout"] for e in reports[0]["epochs"]] == ["2x1", "1x2"]
+    for epoch, replicas in enumerate((1, 2)):
+        seen = [report["epochs"][epoch]["seen"] for report in reports]
+        assert sum(bool(s["losses"]) for s in seen) == replicas  # the last stages alone ran the code
+        probs = torch.tensor([p for s in seen for p in s["probs"]])
+        labels = torch.tensor([label for s in seen for label in s["labels"]])
+        assert len(labels) == 32  # every sample of the epoch, once
+        auroc = float(multiclass_auroc(probs, labels, num_classes=tm.NUM_LABELS))
+        summed_loss = sum(sum(s["losses"]) for s in seen) / replicas
+        for report in reports:
+            assert report["values"]["train_auroc"][epoch] == pytest.approx(auroc, abs=1e-6)
+            assert report["values"]["summed_loss"][epoch] == pytest.approx(summed_loss, rel=1e-6)

@@ -1,6 +1,8 @@
 """Unit tests of the strategy's parts: layout, partition, micro-batches, schedules, arguments."""
 
+import copy
 import itertools
+import pickle
 import random
 from collections import namedtuple
 
@@ -14,6 +16,7 @@ from transformers import BatchEncoding
 from lightning_pipetx import ElasticPipelineStrategy, Layout, find_blocks
 from lightning_pipetx.strategy.autopipe import AutoPipe
 from lightning_pipetx.strategy.log_replay import LogRecorder
+from lightning_pipetx.strategy.metric_sync import LastStageSync
 from lightning_pipetx.strategy.microbatch import BatchSplitError, chunk, join_outputs, split_batch, take
 from lightning_pipetx.strategy.partition import partition, stage_costs
 from lightning_pipetx.strategy.predictions import merge_shards
@@ -365,3 +368,18 @@ def test_a_log_call_naming_a_process_group_is_refused_under_a_pipeline(pipelined
                 recorder.module.log("loss", 1.0, sync_dist_group=object())
         else:  # one stage: nothing is replayed, the call reaches Lightning as written
             recorder.module.log("loss", 1.0, sync_dist_group=object())
+
+
+def test_the_last_stage_sync_stays_with_the_run_and_leaves_metrics_as_they_were():
+    from torchmetrics.classification import MulticlassAccuracy
+    from torchmetrics.utilities.distributed import gather_all_tensors
+
+    module = torch.nn.Module()
+    module.acc, module.own = MulticlassAccuracy(3), MulticlassAccuracy(3, dist_sync_fn=gather_all_tensors)
+    sync = LastStageSync(lambda: None)
+    sync.install(module)
+    assert module.acc.dist_sync_fn is sync and module.own.dist_sync_fn is gather_all_tensors
+    assert copy.deepcopy(module).acc.dist_sync_fn is sync  # a copy made during fit: not the strategy's
+    assert pickle.loads(pickle.dumps(module.acc)).dist_sync_fn is gather_all_tensors
+    sync.remove()
+    assert module.acc.dist_sync_fn is None and module.own.dist_sync_fn is gather_all_tensors

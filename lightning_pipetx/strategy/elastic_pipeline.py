@@ -37,6 +37,7 @@ from lightning_pipetx.strategy.lightning_compat import (
     weight_averaging,
 )
 from lightning_pipetx.strategy.loss_scaling import agreeing_scaler, refuse_unagreed_overflow
+from lightning_pipetx.strategy.metric_sync import LastStageSync, MetricGroups
 from lightning_pipetx.strategy.model_checks import (
     CollectedOutputChecks,
     UnsupportedOutputsError,
@@ -45,7 +46,6 @@ from lightning_pipetx.strategy.model_checks import (
     refuse_unconverted_batch_norms,
 )
 from lightning_pipetx.strategy.options import check_arguments
-from lightning_pipetx.strategy.output_relay import MetricGroups
 from lightning_pipetx.strategy.param_store import ParamStore
 from lightning_pipetx.strategy.predictions import QuietWriters, gather_loop_predictions, input_rows
 from lightning_pipetx.strategy.topology import Layout
@@ -181,6 +181,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._output_checks: CollectedOutputChecks | None = None
         self._eval_metrics = MetricGroups()
         self._train_metrics = MetricGroups()
+        self._epoch_metric_sync = LastStageSync(self._metric_state_ranks)
         self._predict_rows: dict[int, list[int | None]] = {}  # per predict dataloader: each input batch's samples
         self._quiet_writers = QuietWriters()
         self._agreement: FailureAgreement | None = None
@@ -422,6 +423,7 @@ class ElasticPipelineStrategy(DDPStrategy):
             self._require_engine().check_batches(everywhere=True)
         if batch_idx == 0:
             self._logged_layout = None  # the last epoch's values are reduced by now
+            self._epoch_metric_sync.install(self.lightning_module)  # metrics made since the last epoch too
             self._autocache.begin_epoch(self.world_size)
             layout = self._require_engine().layout
             values = {"pipeline_length": layout.pipeline_length, "replicas": layout.replicas}
@@ -493,6 +495,14 @@ class ElasticPipelineStrategy(DDPStrategy):
             yield
         finally:
             self._train_metrics.exit()
+
+    def _metric_state_ranks(self) -> list[int] | None:
+        """The ranks whose copies of a training metric hold the states (the last stages of the
+        layout the epoch trained under); None when every rank's copy does."""
+        layout = self._logged_layout or (self.engine.layout if self.engine is not None else None)
+        if layout is None or layout.pipeline_length == 1:
+            return None
+        return layout.stage_ranks(layout.pipeline_length - 1)
 
     def _to_device(self, batch: Any) -> Any:
         """A batch of the training loader's, prepared as Lightning's loop prepares each: the
@@ -675,6 +685,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         super().on_exception(exception)
 
     def teardown(self) -> None:
+        self._epoch_metric_sync.remove()
         if self._output_checks is not None:
             self._output_checks.remove()
             self._output_checks = None

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchmetrics import Metric
 
 from lightning_pipetx.strategy.stage_hooks import StageExit, StageHooks
 from lightning_pipetx.strategy.stage_runner import StageRunner
@@ -181,25 +180,3 @@ def share_output(output: Any, topology: Topology, device: torch.device) -> Any:
     if sender:
         return output
     return _TensorUnpickler(io.BytesIO(data), [received[i] for i in range(len(specs))]).load()
-
-
-class MetricGroups:
-    """Points the module's torchmetrics metrics at one stage's group while steps run: in
-    evaluation, where every stage updates its own copy, so that they sync over one rank per
-    replica, not over the world (which would count every replica's samples once per stage); in
-    training, on the last stages (the only ones that reach the code after the model call), so
-    that a metric synced on every update (``dist_sync_on_step``) syncs over the replicas."""
-
-    def __init__(self) -> None:
-        self._changed: list[Metric] = []
-
-    def enter(self, module: nn.Module, group: dist.ProcessGroup) -> None:
-        for metric in module.modules():
-            if isinstance(metric, Metric) and metric.process_group is None:
-                metric.process_group = group
-                self._changed.append(metric)
-
-    def exit(self) -> None:
-        for metric in self._changed:
-            metric.process_group = None
-        self._changed = []

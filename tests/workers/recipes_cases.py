@@ -8,7 +8,8 @@ from equivalence_cases import build_case_module
 from lightning.pytorch.plugins import MixedPrecision
 from tiny_models import NUM_LABELS, TASKS, make_trainer
 from torch.utils.data import DataLoader, DistributedSampler
-from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics import Metric
+from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC
 
 from lightning_pipetx import FreezeCallback
 
@@ -119,6 +120,45 @@ def step_synced_metric_reference() -> float:
     trainer = make_trainer([], max_epochs=1)
     trainer.fit(module, train_loader(GLOBAL_BATCH, sampler))
     return float(trainer.callback_metrics["train_acc"])
+
+
+class SummedLoss(Metric):
+    """A replica's summed loss, averaged over the replicas: a state that syncs by its mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("total", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="mean")
+
+    def update(self, loss: torch.Tensor) -> None:
+        self.total += loss.detach().to(torch.float64)
+
+    def compute(self) -> torch.Tensor:
+        return self.total
+
+
+def epoch_metrics_module() -> pl.LightningModule:
+    """A tiny BERT whose training step updates, after the model call, an AUROC (states: lists
+    that the sync concatenates) and a :class:`SummedLoss` (a state averaged over the ranks), both
+    logged for the epoch; ``module.seen`` keeps what it fed them."""
+    module = build_case_module({"model": "bert", "lr": 1e-3})
+    module.train_auroc = MulticlassAUROC(NUM_LABELS)
+    module.summed_loss = SummedLoss()
+    module.seen = {"probs": [], "labels": [], "losses": []}
+
+    def training_step(batch, batch_idx):
+        out = module.model(**batch)
+        probs = out.logits.detach().softmax(-1)
+        module.train_auroc.update(probs, batch["labels"])
+        module.summed_loss.update(out.loss)
+        module.seen["probs"] += probs.tolist()
+        module.seen["labels"] += batch["labels"].tolist()
+        module.seen["losses"].append(float(out.loss))
+        module.log("train_auroc", module.train_auroc, on_step=False, on_epoch=True)
+        module.log("summed_loss", module.summed_loss, on_step=False, on_epoch=True)
+        return out.loss
+
+    module.training_step = training_step
+    return module
 
 
 def summed_count_module() -> pl.LightningModule:

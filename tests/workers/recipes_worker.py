@@ -1,7 +1,7 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
 rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | ema | step_synced_metric | summed_count)
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | ema | step_synced_metric | summed_count | epoch_metrics)
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do) and
 "own_sampler" turns Lightning's distributed sampler off: both give the two stages different
@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.model_summary import summarize
 from recipes_cases import (
     GLOBAL_BATCH,
     STEPS,
+    epoch_metrics_module,
     fp16_module,
     fp16_plugin,
     hidden_states_module,
@@ -42,18 +43,31 @@ class SummaryAtFitStart(Callback):
 
 
 class EpochSteps(Callback):
-    """Per epoch: the layout it trained on and its batches."""
+    """Per epoch: the layout it trained on, its batches, what the module kept of it (``seen``),
+    and the epoch values of ``names`` (read once Lightning reduced them, the last one after fit)."""
 
-    def __init__(self):
+    def __init__(self, names=()):
         self.rows = []
-        self.counts = []  # summed_count: the last epoch's "count", read once Lightning reduced it
+        self.values = {name: [] for name in names}
+
+    def record(self, trainer):
+        for name, values in self.values.items():
+            values.append(float(trainer.callback_metrics[name]))
 
     def on_train_epoch_start(self, trainer, pl_module):
-        if trainer.current_epoch > 0 and "count" in trainer.callback_metrics:
-            self.counts.append(float(trainer.callback_metrics["count"]))
+        if trainer.current_epoch > 0:
+            self.record(trainer)
 
     def on_train_epoch_end(self, trainer, pl_module):
-        self.rows.append({"layout": str(trainer.strategy.layout), "batches": trainer.num_training_batches})
+        row = {"layout": str(trainer.strategy.layout), "batches": trainer.num_training_batches}
+        if hasattr(pl_module, "seen"):
+            row["seen"] = {key: list(values) for key, values in pl_module.seen.items()}
+            for values in pl_module.seen.values():
+                values.clear()
+        self.rows.append(row)
+
+
+EPOCHS = {"scheduled": 2, "scheduled_uneven": 3, "step_synced_metric": 1, "summed_count": 3, "epoch_metrics": 2}
 
 
 def main() -> None:
@@ -70,12 +84,13 @@ def main() -> None:
         "scheduled_uneven": scheduled_module,
         "step_synced_metric": step_synced_metric_module,
         "summed_count": summed_count_module,
+        "epoch_metrics": epoch_metrics_module,
     }.get(mode, hook_counting_module)()
     summary = SummaryAtFitStart()
     freeze = FreezeCallback() if mode.startswith("fp16") else None  # measures gradient norms per step
-    if mode in ("scheduled_uneven", "summed_count"):  # 2x1 -> 1x2 after epoch 0
+    if mode in ("scheduled_uneven", "summed_count", "epoch_metrics"):  # 2x1 -> 1x2 after epoch 0
         freeze = FreezeCallback(alpha=3 / 4, signal="schedule")
-    epochs = EpochSteps()
+    epochs = EpochSteps({"summed_count": ["count"], "epoch_metrics": ["train_auroc", "summed_loss"]}.get(mode, ()))
     length = 1 if mode == "fp16_fused_replicas" else 2
     # The refused outputs are refused on the first stage only (the last one waits for its hidden
     # state): the ranks agree on the failure within a third of this timeout.
@@ -86,8 +101,8 @@ def main() -> None:
         strategy=ElasticPipelineStrategy(pipeline_length=length, num_microbatches=2, timeout=timeout),
         plugins=[fp16_plugin()] if mode.startswith("fp16") else None,
         use_distributed_sampler=mode != "own_sampler",
-        max_steps=-1 if mode.startswith("scheduled") or mode in ("step_synced_metric", "summed_count") else STEPS,
-        max_epochs={"scheduled": 2, "scheduled_uneven": 3, "step_synced_metric": 1, "summed_count": 3}.get(mode),
+        max_steps=-1 if mode.startswith("scheduled") or mode in EPOCHS else STEPS,
+        max_epochs=EPOCHS.get(mode),
         callbacks=[summary, epochs]
         + ([EMAWeightAveraging(decay=0.9)] if mode == "ema" else [])
         + ([freeze] if freeze else []),
@@ -115,8 +130,9 @@ def main() -> None:
         report["last_lr"] = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
     elif mode == "step_synced_metric":
         report["train_acc"] = float(trainer.callback_metrics["train_acc"])
-    elif mode == "summed_count":
-        report["counts"] = epochs.counts + [float(trainer.callback_metrics["count"])]
+    elif mode in ("summed_count", "epoch_metrics"):
+        epochs.record(trainer)
+        report["values"] = epochs.values
         report["epochs"] = epochs.rows
     else:
         report["scale"] = trainer.precision_plugin.scaler.get_scale()

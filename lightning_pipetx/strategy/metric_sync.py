@@ -1,0 +1,104 @@
+"""Where a module's torchmetrics metrics sync their states under a pipeline.
+
+In a training step the code after the model call runs on the last stages only: a metric
+updated there holds the replica's samples on its last stage and its initial state on the
+other stages. In an evaluation step every stage updates its own copy with the same output.
+DDP would sync each metric over one rank per replica; so do these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchmetrics import Metric
+from torchmetrics.utilities.distributed import gather_all_tensors
+
+
+class MetricGroups:
+    """Points the module's torchmetrics metrics at one stage's group while steps run: in
+    evaluation, where every stage updates its own copy, so that they sync over one rank per
+    replica, not over the world (which would count every replica's samples once per stage); in
+    training, on the last stages (the only ones that reach the code after the model call), so
+    that a metric synced on every update (``dist_sync_on_step``) syncs over the replicas."""
+
+    def __init__(self) -> None:
+        self._changed: list[Metric] = []
+
+    def enter(self, module: nn.Module, group: dist.ProcessGroup) -> None:
+        for metric in module.modules():
+            if isinstance(metric, Metric) and metric.process_group is None:
+                metric.process_group = group
+                self._changed.append(metric)
+
+    def exit(self) -> None:
+        for metric in self._changed:
+            metric.process_group = None
+        self._changed = []
+
+
+def gather_from_ranks(tensor: torch.Tensor, sources: list[int]) -> list[torch.Tensor]:
+    """The ``tensor`` of each rank in ``sources``, on every rank of the world (a collective:
+    every rank calls it; the others' tensors are not read)."""
+    rank = dist.get_rank()
+    specs: list[tuple[tuple[int, ...], torch.dtype] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(specs, (tuple(tensor.shape), tensor.dtype) if rank in sources else None)
+    gathered = []
+    for source in sources:
+        shape, dtype = specs[source]
+        wire = torch.uint8 if dtype == torch.bool else dtype
+        if rank == source:
+            buffer = tensor.detach().to(wire).contiguous()
+        else:
+            buffer = torch.empty(shape, dtype=wire, device=tensor.device)
+        dist.broadcast(buffer, src=source)
+        gathered.append(buffer.to(dtype))
+    return gathered
+
+
+class LastStageSync:
+    """Makes a metric's sync over the world read the last stage of each replica only, the one
+    rank of a replica whose copy a training step updated.
+
+    Installed as the metrics' ``dist_sync_fn`` (torchmetrics' own hook) for the fit: a
+    metric logged in ``training_step`` with ``on_epoch=True``, or computed in
+    ``on_train_epoch_end``, then gives DDP's value whatever its states (lists that are
+    concatenated, sums, means). ``sources`` says which ranks those are (the layout the epoch
+    trained under), or None when every rank holds its replica's state: then, and for a sync
+    over a group of the strategy's (:class:`MetricGroups`), torchmetrics' gather runs as usual.
+    Metrics with a ``dist_sync_fn`` of their own are left alone."""
+
+    def __init__(self, sources: Callable[[], list[int] | None]) -> None:
+        self.sources = sources
+        self._installed: list[Metric] = []
+
+    def install(self, module: nn.Module) -> None:
+        for metric in module.modules():
+            if isinstance(metric, Metric) and metric.dist_sync_fn is None:
+                metric.dist_sync_fn = self
+                self._installed.append(metric)
+
+    def remove(self) -> None:
+        for metric in self._installed:
+            if metric.dist_sync_fn is self:
+                metric.dist_sync_fn = None
+        self._installed = []
+
+    def __call__(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+        sources = self.sources()
+        if sources is None or (group is not None and group is not dist.group.WORLD):
+            return gather_all_tensors(tensor, group)
+        return gather_from_ranks(tensor, sources)
+
+    # A copy of the module made during fit (deepcopy, pickle) must not copy the strategy.
+    def __deepcopy__(self, memo: dict) -> LastStageSync:
+        return self
+
+    def __reduce__(self) -> tuple:
+        return _torchmetrics_gather, ()
+
+
+def _torchmetrics_gather() -> Callable:
+    return gather_all_tensors
