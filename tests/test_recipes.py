@@ -235,13 +235,31 @@ def test_a_transition_keeps_the_steps_of_an_epoch_where_more_replicas_would_pad_
         assert report["last_lr"] == 0.0
 
 
-def test_a_sum_over_the_replicas_counts_every_sample_once_in_the_epoch_a_transition_ends(tmp_path):
+@pytest.fixture(scope="module")
+def summed_count_run(tmp_path_factory):
+    """2x1 -> 1x2 after epoch 0, 3 epochs of 4 steps, a checkpoint every 6 steps (mid-epoch 1)."""
+    out = tmp_path_factory.mktemp("summed_count")
+    run_workers("recipes_worker.py", 2, str(out), "summed_count")
+    return out
+
+
+def test_a_sum_over_the_replicas_counts_every_sample_once_in_the_epoch_a_transition_ends(summed_count_run):
     # The epoch's values are reduced after the transition that ends it (2x1 -> 1x2): logged under
     # the old layout, each on both stages, they would be summed twice over the new replicas.
-    run_workers("recipes_worker.py", 2, str(tmp_path), "summed_count")
-    for report in _reports(tmp_path, "summed_count"):
+    for report in _reports(summed_count_run, "summed_count"):
         assert [e["layout"] for e in report["epochs"]] == ["2x1", "1x2", "1x2"]
         assert report["values"]["count"] == [32.0, 32.0, 32.0]
+
+
+def test_a_sum_over_the_replicas_counts_every_sample_once_after_a_resume_in_mid_epoch(summed_count_run, tmp_path):
+    # Resuming re-applies the frozen prefix before the first step (a move 2x1 -> 1x2 that ends
+    # no epoch): what the resumed epoch logs is summed over the layout it trains on.
+    checkpoint = summed_count_run / "epoch=1-step=6.ckpt"
+    run_workers("recipes_worker.py", 2, str(tmp_path), "summed_count", "resume", str(checkpoint))
+    for report in _reports(tmp_path, "summed_count"):
+        assert [e["layout"] for e in report["epochs"]] == ["1x2", "1x2"]
+        assert report["values"]["count"] == [16.0, 32.0]  # the 2 batches left of epoch 1, then epoch 2
+        assert report["values"]["pipetx/pipeline_length"] == [1.0, 1.0]
 
 
 def test_training_metrics_of_any_state_give_the_epoch_value_of_every_replicas_samples(tmp_path):

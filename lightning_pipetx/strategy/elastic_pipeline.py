@@ -176,6 +176,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._run_token = ""
         self._private_sites = False  # a loader was given cache folders of this rank's own, for it to remove
         self._logged_layout: Layout | None = None  # the layout the epoch's training values were logged under
+        self._epoch_begun: int | None = None  # the training epoch whose first batch this run has seen
         self._transition_seconds: float | None = None
         self.last_transition: Transition | None = None  # what the last transition did on this rank
         self._output_checks: CollectedOutputChecks | None = None
@@ -418,10 +419,17 @@ class ElasticPipelineStrategy(DDPStrategy):
         """AutoCache's hit rate, tiers served and sizes since the last call, agreed by every rank (collective)."""
         return self._autocache.epoch_stats(self.root_device, self.world_size)
 
+    def on_train_start(self) -> None:
+        # After the callbacks' hooks: a frozen prefix re-applied on resume moved before anything was logged.
+        self._logged_layout = None
+        self._epoch_begun = None
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if batch_idx <= 1:  # the first step of the run, and then every epoch's
             self._require_engine().check_batches(everywhere=True)
-        if batch_idx == 0:
+        epoch = self.lightning_module.trainer.current_epoch
+        if epoch != self._epoch_begun:  # batch 0, or the first batch of an epoch resumed mid-way
+            self._epoch_begun = epoch
             self._logged_layout = None  # the last epoch's values are reduced by now
             self._epoch_metric_sync.install(self.lightning_module)  # metrics made since the last epoch too
             self._autocache.begin_epoch(self.world_size)

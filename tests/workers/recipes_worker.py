@@ -1,7 +1,7 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
 rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | ema | step_synced_metric | summed_count | epoch_metrics)
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | ema | step_synced_metric | summed_count | epoch_metrics) [resume CKPT]
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do) and
 "own_sampler" turns Lightning's distributed sampler off: both give the two stages different
@@ -15,7 +15,7 @@ from datetime import timedelta
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, EMAWeightAveraging
+from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, ModelCheckpoint
 from lightning.pytorch.utilities.model_summary import summarize
 from recipes_cases import (
     GLOBAL_BATCH,
@@ -52,7 +52,8 @@ class EpochSteps(Callback):
 
     def record(self, trainer):
         for name, values in self.values.items():
-            values.append(float(trainer.callback_metrics[name]))
+            if name in trainer.callback_metrics:  # not before the first epoch of a run resumed in mid-epoch
+                values.append(float(trainer.callback_metrics[name]))
 
     def on_train_epoch_start(self, trainer, pl_module):
         if trainer.current_epoch > 0:
@@ -90,7 +91,10 @@ def main() -> None:
     freeze = FreezeCallback() if mode.startswith("fp16") else None  # measures gradient norms per step
     if mode in ("scheduled_uneven", "summed_count", "epoch_metrics"):  # 2x1 -> 1x2 after epoch 0
         freeze = FreezeCallback(alpha=3 / 4, signal="schedule")
-    epochs = EpochSteps({"summed_count": ["count"], "epoch_metrics": ["train_auroc", "summed_loss"]}.get(mode, ()))
+    names = {"summed_count": ["count", "pipetx/pipeline_length"], "epoch_metrics": ["train_auroc", "summed_loss"]}
+    epochs = EpochSteps(names.get(mode, ()))
+    resume = sys.argv[sys.argv.index("resume") + 1] if "resume" in sys.argv else None
+    steps = [ModelCheckpoint(out_dir, save_top_k=-1, every_n_train_steps=6)] if mode == "summed_count" else []
     length = 1 if mode == "fp16_fused_replicas" else 2
     # The refused outputs are refused on the first stage only (the last one waits for its hidden
     # state): the ranks agree on the failure within a third of this timeout.
@@ -105,9 +109,10 @@ def main() -> None:
         max_epochs=EPOCHS.get(mode),
         callbacks=[summary, epochs]
         + ([EMAWeightAveraging(decay=0.9)] if mode == "ema" else [])
-        + ([freeze] if freeze else []),
+        + ([freeze] if freeze else [])
+        + steps,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(steps),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -119,7 +124,7 @@ def main() -> None:
         loader = train_loader(batch, size=39, drop_last=True)
     if mode == "random_collate":
         loader = torch.utils.data.DataLoader(loader.dataset, batch_size=GLOBAL_BATCH, collate_fn=random_masking)
-    trainer.fit(module, loader)
+    trainer.fit(module, loader, ckpt_path=resume)
     report = {"summary_parameters": summary.total_parameters}
     if mode == "hooks":
         report["hook_calls"] = module.hook_calls
