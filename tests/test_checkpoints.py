@@ -96,3 +96,19 @@ def test_a_failed_write_leaves_the_previous_checkpoint_whole(tmp_path):
         atomic_save(TorchCheckpointIO(), {"weights": torch.zeros(3), "unpicklable": lambda: None}, path)
     assert torch.equal(torch.load(path, weights_only=True)["weights"], torch.ones(3))
     assert list(tmp_path.iterdir()) == [path]
+
+
+def test_a_file_url_is_written_in_place_of_the_path_it_names(tmp_path):
+    # As Lightning's TorchCheckpointIO accepts it (trainer.save_checkpoint("file://...")).
+    atomic_save(TorchCheckpointIO(), {"weights": torch.ones(3)}, f"file://{tmp_path}/last.ckpt")
+    assert torch.equal(torch.load(tmp_path / "last.ckpt", weights_only=True)["weights"], torch.ones(3))
+    assert list(tmp_path.iterdir()) == [tmp_path / "last.ckpt"]
+
+
+def test_a_checkpoint_io_of_the_users_writes_where_it_chooses(tmp_path):
+    class SuffixedIO(TorchCheckpointIO):  # a store that names its files itself
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            super().save_checkpoint(checkpoint, f"{path}.v1", storage_options)
+
+    atomic_save(SuffixedIO(), {"weights": torch.ones(3)}, tmp_path / "last.ckpt")
+    assert list(tmp_path.iterdir()) == [tmp_path / "last.ckpt.v1"]

@@ -95,6 +95,16 @@ def test_an_exception_on_every_rank_leaves_the_whole_model_on_every_rank(excepti
         assert torch.isfinite(value.float()).all(), name
         torch.testing.assert_close(weights[1][name], value, rtol=0, atol=0, msg=name)
         assert not torch.equal(value, initial[name.removeprefix("model.")]), f"{name} was not trained"
+    # The user saves the weights: each rank holds its own blocks' optimizer state only.
+    saved = torch.load(tmp_path / "after_failure.ckpt", weights_only=True)["state_dict"]
+    assert saved.keys() == weights[0].keys()
+    for name, value in weights[0].items():
+        torch.testing.assert_close(saved[name], value, rtol=0, atol=0, msg=name)
+    for report in _reports(tmp_path, "fail_all", 2):
+        assert (
+            "after a fit that stopped on an error" in report["full_save"] and "weights_only=True" in report["full_save"]
+        )
+    assert not (tmp_path / "refused.ckpt").exists()
 
 
 def test_an_exception_on_one_rank_ends_every_rank_and_says_what_the_model_lacks(tmp_path):
@@ -104,3 +114,6 @@ def test_an_exception_on_one_rank_ends_every_rank_and_says_what_the_model_lacks(
     assert "the user's step failed on one rank" in output
     assert "global rank 0 could not get the blocks it does not run back" in output
     assert "lacks blocks [0, 1] of 'model.bert.encoder.layer'" in output and "load the last checkpoint" in output
+    for rank in (0, 1):
+        assert f"[rank{rank}] save refused: trainer.save_checkpoint after a run that stopped on an error not" in output
+    assert not (tmp_path / "incomplete.ckpt").exists()

@@ -15,7 +15,7 @@ from typing import Any
 import fsspec
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
@@ -62,15 +62,17 @@ def _to_cpu(value: Any) -> Any:
 
 
 def atomic_save(checkpoint_io: CheckpointIO, checkpoint: dict[str, Any], filepath: str) -> None:
-    """Write through ``checkpoint_io`` to a temporary file, then rename it into place (not for a
-    remote store, nor for Lightning's ``AsyncCheckpointIO``, which writes after it returns)."""
+    """Write through ``checkpoint_io`` to a temporary file, then rename it into place: for
+    Lightning's ``TorchCheckpointIO`` writing to a local file (a path or ``file://``), which
+    writes exactly where it is told. Other stores and IOs (subclasses too; Lightning's
+    ``AsyncCheckpointIO`` writes after it returns) write to ``filepath`` themselves."""
     path = os.fspath(filepath)
-    asynchronous = isinstance(checkpoint_io, AsyncCheckpointIO)
-    if asynchronous:  # its thread writes later: copy what training changes meanwhile
+    if isinstance(checkpoint_io, AsyncCheckpointIO):  # its thread writes later: copy what training changes meanwhile
         checkpoint = apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().clone())
-    if asynchronous or fsspec.utils.get_protocol(path) != "file":
+    if type(checkpoint_io) is not TorchCheckpointIO or fsspec.utils.get_protocol(path) != "file":
         checkpoint_io.save_checkpoint(checkpoint, path)
         return
+    path = fsspec.core.strip_protocol(path) if "://" in path else path
     partial = f"{path}.partial"
     try:
         checkpoint_io.save_checkpoint(checkpoint, partial)

@@ -626,9 +626,19 @@ class ElasticPipelineStrategy(DDPStrategy):
     # --------------------------------------------------------- checkpoint
     def _saving_plan(self) -> Plan:
         """The running engine's plan, else (``trainer.save_checkpoint`` after a run) the last one's."""
-        if self.engine is None and self._closed_plan is not None:
-            return self._closed_plan
-        return self._require_engine().plan
+        return self._plan_after_run() or self._require_engine().plan
+
+    def _plan_after_run(self) -> Plan | None:
+        """The last run's plan once it closed (every rank then holds every block), else None."""
+        if self.engine is not None:
+            return None
+        if self._closed_plan is None and self._failed:
+            raise RuntimeError(
+                "trainer.save_checkpoint after a run that stopped on an error not every rank took part in: the "
+                "ranks could not give each other back the blocks they did not run, so the model is incomplete "
+                "(see the error logged at teardown). Load the last checkpoint instead."
+            )
+        return self._closed_plan
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The optimizer's state as one process would hold it, gathered on global rank 0."""
@@ -636,10 +646,10 @@ class ElasticPipelineStrategy(DDPStrategy):
         plan = self._saving_plan()
         fitting = self.engine is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if not (fitting or self._closed_fit):
+            after = "a fit that stopped on an error" if self._failed else "trainer.validate, test or predict"
             raise RuntimeError(
-                "trainer.save_checkpoint after trainer.validate, test or predict under ElasticPipelineStrategy: each "
-                "rank now holds the optimizer state of its own blocks only. Save right after fit, or pass "
-                "weights_only=True."
+                f"trainer.save_checkpoint after {after} under ElasticPipelineStrategy: each rank now holds the "
+                f"optimizer state of its own blocks only. Save right after fit, or pass weights_only=True."
             )
         return gather_optimizer_state(optimizer, self._split.blocks, plan, self.global_rank, self.root_device)
 
@@ -670,7 +680,7 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The plain module's ``state_dict``, with every block gathered on global rank 0."""
-        if self.engine is None and self._closed_plan is not None:  # after a run: every rank holds every block
+        if self._plan_after_run() is not None:  # every rank holds every block
             return self.lightning_module.state_dict()
         engine = self._require_engine()
         engine.share_updated_params(self.optimizers)
@@ -704,7 +714,10 @@ class ElasticPipelineStrategy(DDPStrategy):
         if self.engine is not None:
             if self._failed:
                 store, path = self._store, self._split.path
-                restore_after_failure(self.engine, self._agreement, self._autodp.moving, store, self.global_rank, path)
+                rank = self.global_rank
+                restored = restore_after_failure(self.engine, self._agreement, self._autodp.moving, store, rank, path)
+                if restored or not store.released_blocks():  # this rank holds every block: weights can be saved
+                    self._closed_plan = self.engine.plan
             else:
                 trainer = self.lightning_module.trainer
                 if trainer.state.fn == TrainerFn.PREDICTING:  # here, as a replica without batches skips the hooks

@@ -76,17 +76,20 @@ def restore_after_failure(
     store: ParamStore,
     rank: int,
     path: str,
-) -> None:
+) -> bool:
     """Close ``engine`` after an exception: the whole model back on every rank where every rank
-    stopped alike (the same layout, no transition under way), else log what this rank lacks."""
+    stopped alike (the same layout, no transition under way; returns True), else log what this
+    rank lacks."""
     engine.close(restore_weights=False, destroy_groups=False)  # the training groups may be out of step
     plan = f"{engine.plan.layout} {engine.plan.bounds}"
     state = -1 if moving else zlib.crc32(plan.encode())
     if state >= 0 and agreement is not None and agreement.every_rank_failed(state):
         engine.restore_after_failure(agreement.group)
         agreement.close()
-    elif store.released_blocks():
+        return True
+    if store.released_blocks():
         log_incomplete_model(rank, store.released_blocks(), path)
+    return False
 
 
 def _raised_in_communication(exception: BaseException) -> bool:

@@ -199,13 +199,26 @@ def main():
     elif mode == "fail_all":
         exception = {"ValueError": ValueError, "KeyboardInterrupt": KeyboardInterrupt}[sys.argv[3]]
         model = CollectedLosses()
+        trainer = trainer_for(2, max_epochs=2, callbacks=[RaiseAtEpochEnd(exception)])
         try:
-            trainer_for(2, max_epochs=2, callbacks=[RaiseAtEpochEnd(exception)]).fit(model, loader(16, 4, 1))
+            trainer.fit(model, loader(16, 4, 1))
         except (ValueError, SystemExit) as error:  # Lightning exits after a KeyboardInterrupt
             report["stopped_by"] = type(error).__name__
         torch.save(model.state_dict(), os.path.join(out_dir, f"weights_rank{rank}.pt"))
+        trainer.save_checkpoint(os.path.join(out_dir, "after_failure.ckpt"), weights_only=True)
+        try:
+            trainer.save_checkpoint(os.path.join(out_dir, "refused.ckpt"))
+        except RuntimeError as error:
+            report["full_save"] = str(error)
     elif mode == "fail_one":
-        trainer_for(2, timeout=45, max_epochs=1).fit(FailingLastStage(), loader(32, 4, 1))
+        trainer = trainer_for(2, timeout=45, max_epochs=1)
+        try:
+            trainer.fit(FailingLastStage(), loader(32, 4, 1))
+        finally:
+            try:
+                trainer.save_checkpoint(os.path.join(out_dir, "incomplete.ckpt"), weights_only=True)
+            except RuntimeError as error:
+                print(f"[rank{rank}] save refused: {error}", flush=True)
     with open(os.path.join(out_dir, f"{mode}_rank{rank}.json"), "w") as f:
         json.dump(report, f)
 
