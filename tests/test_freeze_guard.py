@@ -70,6 +70,20 @@ def test_the_guard_judges_the_epochs_that_validated_only():
     assert guarded.guard.best == pytest.approx(0.86)
 
 
+def test_a_validation_outside_fit_is_not_judged():
+    # trainer.validate before fit, and fit validating after odd epochs only: the pre-fit value
+    # must not become the guard's best.
+    freeze = FreezeCallback(alpha=1 / 3, signal="schedule", monitor="val_acc", tolerance=0.02)
+    trainer = tm.make_trainer([freeze], max_epochs=6, check_val_every_n_epoch=2)
+    loader = tm.task_loader("sequential", size=16)
+    model = ScriptedAccuracy([0.99])
+    trainer.validate(model, loader)
+    model.accuracies = [None, 0.85, None, 0.86, None, 0.87]
+    trainer.fit(model, loader, loader)
+    assert freeze.frozen_blocks == 5 and not freeze.guard.stopped
+    assert freeze.guard.best == pytest.approx(0.87)
+
+
 def test_within_the_tolerance_freezing_goes_on():
     guarded, _ = fit([0.80, 0.85, 0.84, 0.84, 0.85], monitor="val_acc", tolerance=0.02)
     assert guarded.frozen_blocks == 5 and not guarded.guard.stopped

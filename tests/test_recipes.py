@@ -113,6 +113,23 @@ def test_clipping_by_norm_with_a_fused_optimizer_under_fp16_is_refused_as_plain_
         trainer.fit(fp16_module("adamw_fused"), recipes_loader(8))
 
 
+def test_validation_on_a_clock_is_refused_on_several_processes(tmp_path):
+    # Lightning decides on each rank's clock: the ranks would validate after different steps.
+    output = run_workers("recipes_worker.py", 2, str(tmp_path), "timed_validation", expect_failure=True)
+    for rank in (0, 1):
+        assert f"[rank{rank}]: lightning_pipetx.strategy.model_checks.UnsupportedRecipeError: " in output
+    assert "val_check_interval=<a time>, 1 s) on 2 processes" in output and "Pass an int" in output
+
+
+def test_learning_rates_that_differ_between_ranks_stop_the_run(tmp_path):
+    # A plateau schedule reading a value each rank logged on its own: the ranks would train apart.
+    output = run_workers("recipes_worker.py", 2, str(tmp_path), "plateau", expect_failure=True)
+    for rank in (0, 1):
+        assert f"[rank{rank}]: lightning_pipetx.strategy.model_checks.UnsupportedRecipeError: " in output
+    assert "learning rate of parameter group 0 differs between ranks (0.0001 to 0.001)" in output
+    assert "sync_dist=True" in output
+
+
 def test_weight_averaging_under_a_pipeline_is_refused(tmp_path):
     # EMA averages every weight after each step; a rank holds only its stage's blocks.
     output = run_workers("recipes_worker.py", 2, str(tmp_path), "ema", expect_failure=True)

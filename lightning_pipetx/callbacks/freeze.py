@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 
 from lightning_pipetx.blocks import BlockSplit, find_blocks
@@ -223,7 +224,8 @@ class FreezeCallback(Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Validation inside a training epoch is not training time.
         self._last_tick = time.perf_counter()
-        if self.guard is not None and not trainer.sanity_checking:
+        fitting = trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking  # not trainer.validate
+        if self.guard is not None and fitting:
             # Read here: a checkpoint written after this hook, before the epoch's decision, keeps it.
             self._observed = self.guard.read(trainer.callback_metrics)
 

@@ -32,6 +32,7 @@ from lightning_pipetx.strategy.lightning_compat import (
     averaged_weights_used_in,
     check_lightning_internals,
     clip_norm_over_stages,
+    refuse_time_based_validation,
     refuse_weight_averaging,
     restore_clipping,
     weight_averaging,
@@ -42,6 +43,7 @@ from lightning_pipetx.strategy.model_checks import (
     CollectedOutputChecks,
     UnsupportedOutputsError,
     microbatches_for_training,
+    refuse_diverging_learning_rates,
     refuse_manual_optimization,
     refuse_unconverted_batch_norms,
 )
@@ -294,6 +296,7 @@ class ElasticPipelineStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
             refuse_unagreed_overflow(self.optimizers, scaler, plan.layout.pipeline_length)
             refuse_weight_averaging(trainer.callbacks, plan.layout.pipeline_length)
+            refuse_time_based_validation(trainer, self.world_size)
             for callback in weight_averaging(trainer.callbacks):
                 used_in = averaged_weights_used_in(callback, self.lightning_module, trainer.max_epochs)
                 self._refuse_cache_for_averaging(type(callback).__name__, used_in)
@@ -432,6 +435,7 @@ class ElasticPipelineStrategy(DDPStrategy):
             self._epoch_begun = epoch
             self._logged_layout = None  # the last epoch's values are reduced by now
             self._epoch_metric_sync.install(self.lightning_module)  # metrics made since the last epoch too
+            refuse_diverging_learning_rates(self.optimizers, self.root_device)
             self._autocache.begin_epoch(self.world_size)
             layout = self._require_engine().layout
             values = {"pipeline_length": layout.pipeline_length, "replicas": layout.replicas}

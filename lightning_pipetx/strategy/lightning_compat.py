@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 from lightning_pipetx.strategy.loss_scaling import unscales_in_own_step
+from lightning_pipetx.strategy.model_checks import UnsupportedRecipeError
 
 SUPPORTED = {"lightning": ">=2.4,<2.7", "torchmetrics": ">=1.0,<2.0"}  # as pyproject.toml bounds them
 SUPPORTED_VERSIONS = "lightning{lightning} (tested with 2.6.6) and torchmetrics{torchmetrics} (tested with 1.9)".format(
@@ -140,6 +141,19 @@ def refuse_weight_averaging(callbacks: list[pl.Callback], pipeline_length: int) 
             f"each rank holds only the blocks of its stage, so the other blocks' averages would be of "
             f"placeholders. Pass ElasticPipelineStrategy(pipeline_length=1) (replicas only), or train without "
             f"{name}."
+        )
+
+
+def refuse_time_based_validation(trainer: pl.Trainer, world_size: int) -> None:
+    """Refuse ``val_check_interval`` given as a time (Lightning 2.6): each rank decides on its
+    own clock when to validate, so ranks would validate after different steps and their
+    collectives pair with the wrong peers' (a hang, or under NCCL a silent mix-up)."""
+    seconds = getattr(trainer, "_val_check_time_interval", None)  # absent before Lightning 2.6
+    if seconds is not None and world_size > 1:
+        raise UnsupportedRecipeError(
+            f"Trainer(val_check_interval=<a time>, {seconds:g} s) on {world_size} processes: each rank decides on "
+            f"its own clock when to validate, so the ranks would validate after different steps. Pass an int (every "
+            f"N training batches) or a float (a fraction of the epoch) instead."
         )
 
 

@@ -17,6 +17,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 log = logging.getLogger("lightning_pipetx")
@@ -120,3 +122,25 @@ class CollectedOutputChecks:
     def _intermediates(self, module: nn.Module, original: Callable, *args: Any, **kwargs: Any) -> Any:
         self.on_request(type(module).__name__, "forward_intermediates")
         return original(*args, **kwargs)
+
+
+def refuse_diverging_learning_rates(optimizers: list[torch.optim.Optimizer], device: torch.device) -> None:
+    """Raise on every rank where the ranks' learning rates differ (a collective): the replicas,
+    or the stages of one, would train apart. A ``ReduceLROnPlateau`` that monitors a value each
+    rank computes on its own data (logged without ``sync_dist=True``) steps differently on each
+    replica, as under DDP; here it starts when a transition adds replicas."""
+    rates = [float(group["lr"]) for optimizer in optimizers for group in optimizer.param_groups]
+    if not rates or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    local = torch.tensor(rates, dtype=torch.float64, device=device)
+    bounds = torch.cat([local, -local])
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+    highest, lowest = bounds[: len(rates)].tolist(), (-bounds[len(rates) :]).tolist()
+    for group, (low, high) in enumerate(zip(lowest, highest)):
+        if low != high:
+            raise UnsupportedRecipeError(
+                f"the learning rate of parameter group {group} differs between ranks ({low:g} to {high:g}): the "
+                f"ranks would train apart. A ReduceLROnPlateau (or any schedule) that reads a value each rank "
+                f"computes on its own data, logged without sync_dist=True, steps differently on each replica. Log "
+                f"the value it monitors with self.log(..., sync_dist=True)."
+            )

@@ -161,6 +161,27 @@ def epoch_metrics_module() -> pl.LightningModule:
     return module
 
 
+def plateau_module() -> pl.LightningModule:
+    """A tiny BERT whose ReduceLROnPlateau monitors a validation value logged without
+    ``sync_dist``: better every epoch on global rank 0, worse on the others (as a value each rank
+    computes on its own share of the data can be)."""
+    module = build_case_module({"model": "bert", "lr": 1e-3})
+
+    def validation_step(batch, batch_idx):
+        module(batch)
+        trend = -1.0 if module.global_rank == 0 else 1.0
+        module.log("val_score", trend * module.current_epoch)
+
+    def configure_optimizers():
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        schedule = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "monitor": "val_score"}}
+
+    module.validation_step = validation_step
+    module.configure_optimizers = configure_optimizers
+    return module
+
+
 def summed_count_module() -> pl.LightningModule:
     """A tiny BERT that logs the samples of each step with ``reduce_fx="sum"`` over the replicas."""
     module = build_case_module({"model": "bert", "lr": 1e-3})

@@ -1,7 +1,7 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
 rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | ema | step_synced_metric | summed_count | epoch_metrics) [resume CKPT]
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau) [resume CKPT]
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do) and
 "own_sampler" turns Lightning's distributed sampler off: both give the two stages different
@@ -26,6 +26,7 @@ from recipes_cases import (
     hidden_states_module,
     hook_counting_module,
     intermediates_module,
+    plateau_module,
     random_masking,
     scheduled_module,
     step_synced_metric_module,
@@ -68,7 +69,14 @@ class EpochSteps(Callback):
         self.rows.append(row)
 
 
-EPOCHS = {"scheduled": 2, "scheduled_uneven": 3, "step_synced_metric": 1, "summed_count": 3, "epoch_metrics": 2}
+EPOCHS = {
+    "scheduled": 2,
+    "scheduled_uneven": 3,
+    "step_synced_metric": 1,
+    "summed_count": 3,
+    "epoch_metrics": 2,
+    "plateau": 3,
+}
 
 
 def main() -> None:
@@ -86,6 +94,7 @@ def main() -> None:
         "step_synced_metric": step_synced_metric_module,
         "summed_count": summed_count_module,
         "epoch_metrics": epoch_metrics_module,
+        "plateau": plateau_module,
     }.get(mode, hook_counting_module)()
     summary = SummaryAtFitStart()
     freeze = FreezeCallback() if mode.startswith("fp16") else None  # measures gradient norms per step
@@ -116,6 +125,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        val_check_interval="00:00:00:01" if mode == "timed_validation" else None,
     )
     # the loader's batch is per replica, as under DDP: the global batch is GLOBAL_BATCH on either layout
     batch = GLOBAL_BATCH // 2 if length == 1 else GLOBAL_BATCH
@@ -124,7 +134,7 @@ def main() -> None:
         loader = train_loader(batch, size=39, drop_last=True)
     if mode == "random_collate":
         loader = torch.utils.data.DataLoader(loader.dataset, batch_size=GLOBAL_BATCH, collate_fn=random_masking)
-    trainer.fit(module, loader, ckpt_path=resume)
+    trainer.fit(module, loader, loader if mode == "plateau" else None, ckpt_path=resume)
     report = {"summary_parameters": summary.total_parameters}
     if mode == "hooks":
         report["hook_calls"] = module.hook_calls
