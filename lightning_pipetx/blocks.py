@@ -12,7 +12,9 @@ from the root down to the block list, children registered before the chain's nex
 on that chain (a ViT's ``cls_token`` and ``pos_embed``) are ``pre``. A weight registered after
 the block list that the forward reads only before block 0 (MPNet's relative position bias) is
 ``pre`` too once a training step has shown it (:mod:`~lightning_pipetx.pre_trace`):
-:meth:`BlockSplit.with_pre_weights`.
+:meth:`BlockSplit.with_pre_weights`; and a trainable weight registered before it from which
+no block's input is computed (a head assigned before the backbone) is not:
+:meth:`BlockSplit.with_post_weights`.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class BlockSplit:
             chain from ``root`` to the block list; they count as ``pre``.
         pre_by_use: ``(name, parameter)`` pairs registered in ``post`` that the forward reads
             only before block 0; they count as ``pre``.
+        post_by_use: ``(name, parameter)`` pairs registered in ``pre`` (or on the chain) from
+            which no block's input is computed (a head registered before the backbone); they
+            do not count as ``pre``.
     """
 
     root: nn.Module
@@ -50,6 +55,7 @@ class BlockSplit:
     post: tuple[tuple[str, nn.Module], ...]
     pre_direct_params: tuple[tuple[str, nn.Parameter], ...]
     pre_by_use: tuple[tuple[str, nn.Parameter], ...] = ()
+    post_by_use: tuple[tuple[str, nn.Parameter], ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -60,7 +66,7 @@ class BlockSplit:
 
     def pre_parameters(self) -> Iterator[nn.Parameter]:
         """Parameters of ``pre`` (including those held directly on the chain), each once."""
-        seen: set[int] = set()
+        seen: set[int] = {id(p) for _, p in self.post_by_use}
         for _, param in self.pre_direct_params + self.pre_by_use:
             if id(param) not in seen:
                 seen.add(id(param))
@@ -77,6 +83,12 @@ class BlockSplit:
         params = dict(self.root.named_parameters())
         return replace(self, pre_by_use=tuple((name, params[name]) for name in names))
 
+    def with_post_weights(self, names: list[str]) -> BlockSplit:
+        """This split with the root's parameters ``names`` (registered in ``pre``, no block's
+        input computed from them) not counted as ``pre``."""
+        params = dict(self.root.named_parameters())
+        return replace(self, post_by_use=tuple((name, params[name]) for name in names))
+
     def block_parameters(self, index: int) -> Iterator[nn.Parameter]:
         return self.blocks[index].parameters()
 
@@ -84,7 +96,11 @@ class BlockSplit:
         """``pre`` modules and blocks ``[0, num_frozen)``: what freezing ``num_frozen`` blocks covers."""
         if num_frozen <= 0:
             return []
-        return [module for _, module in self.pre] + [self.blocks[i] for i in range(num_frozen)]
+        return [m for _, m in self.pre if self._runs_before_blocks(m)] + [self.blocks[i] for i in range(num_frozen)]
+
+    def _runs_before_blocks(self, module: nn.Module) -> bool:
+        params, after = list(module.parameters()), {id(p) for _, p in self.post_by_use}
+        return not params or not all(id(p) in after for p in params)
 
     def prefix_parameters(self, num_frozen: int) -> list[nn.Parameter]:
         """Parameters of ``pre`` and blocks ``[0, num_frozen)``.

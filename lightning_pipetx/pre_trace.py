@@ -14,6 +14,11 @@ blocks, or after the last one. A candidate read before block 0 and in no other p
 rank, is ``pre``. Reads the trace cannot place (a LightningModule's own code before the chain's
 first module) count as after the blocks: a weight is never moved on doubtful evidence, it only
 keeps training.
+
+The other way round, a trainable weight registered before the block list that no block's input
+is computed from (a head assigned before the backbone, as XLM-R's classifier is, or a weight of
+the LightningModule used in its loss) is not ``pre``: the trace walks the autograd graph of
+every block's inputs and :meth:`PreTrace.post_names` names the ``pre`` weights it never reached.
 """
 
 from __future__ import annotations
@@ -28,6 +33,23 @@ from torch.utils._pytree import tree_flatten
 from lightning_pipetx.blocks import BlockSplit
 
 _BEFORE, _INSIDE, _AFTER = 0, 1, 2
+
+
+def _graph_leaves(values: list[Any], seen: set[Any]) -> set[int]:
+    """Ids of the weights the tensors among ``values`` were computed from (graph nodes in
+    ``seen`` are not walked again)."""
+    leaves: set[int] = set()
+    stack = [v.grad_fn for v in values if isinstance(v, torch.Tensor) and v.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a weight
+        if variable is not None:
+            leaves.add(id(variable))
+        stack.extend(parent for parent, _ in node.next_functions)
+    return leaves
 
 
 def candidate_names(split: BlockSplit) -> list[str]:
@@ -59,6 +81,12 @@ class PreTrace:
         params = dict(split.root.named_parameters())
         self._index = {id(params[name]): i for i, name in enumerate(self.names)}
         self.reads = torch.zeros(len(self.names), 3, dtype=torch.bool)
+        pre = {id(p) for p in split.pre_parameters()}
+        self.pre_names_registered = [name for name, p in split.root.named_parameters() if id(p) in pre]
+        self._pre_index = {id(params[name]): i for i, name in enumerate(self.pre_names_registered)}
+        # per pre weight: whether a block's input was computed from it
+        self.feeds_blocks = torch.zeros(len(self.pre_names_registered), dtype=torch.bool)
+        self._walked: set[Any] = set()
         self._phase = _AFTER
         self._mode: _ReadRecorder | None = None
         self._handles: list[Any] = []
@@ -75,11 +103,22 @@ class PreTrace:
 
         return hook
 
+    def _record_block_inputs(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
+        for leaf in _graph_leaves(tree_flatten((args, kwargs))[0], self._walked):
+            index = self._pre_index.get(leaf)
+            if index is not None:
+                self.feeds_blocks[index] = True
+
     def start(self) -> None:
-        if not self.names or self._mode is not None:
+        if self._mode is not None or self._handles:
+            return
+        blocks = self.split.blocks
+        if self._pre_index:
+            for block in blocks:
+                self._handles.append(block.register_forward_pre_hook(self._record_block_inputs, with_kwargs=True))
+        if not self.names:
             return
         first_link = self.split.root.get_submodule(self.split.path.split(".")[0])
-        blocks = self.split.blocks
         if first_link is not blocks:
             self._handles.append(first_link.register_forward_pre_hook(self._set_phase(_BEFORE)))
         self._handles.append(blocks[0].register_forward_pre_hook(self._set_phase(_INSIDE)))
@@ -95,6 +134,7 @@ class PreTrace:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._walked.clear()
 
     def pre_names(self, reads: torch.Tensor | None = None) -> list[str]:
         """Candidates read before block 0 and nowhere else, by ``reads`` (this trace's
@@ -102,3 +142,14 @@ class PreTrace:
         reads = self.reads if reads is None else reads
         only_before = (reads[:, _BEFORE] > 0) & (reads[:, _INSIDE] == 0) & (reads[:, _AFTER] == 0)
         return [name for name, keep in zip(self.names, only_before.tolist()) if keep]
+
+    def post_names(self, feeds_blocks: torch.Tensor | None = None) -> list[str]:
+        """Trainable ``pre`` weights from which no block's input was computed, by ``feeds_blocks``
+        (this trace's :attr:`feeds_blocks`, or every rank's combined by a maximum)."""
+        feeds = self.feeds_blocks if feeds_blocks is None else feeds_blocks
+        params = dict(self.split.root.named_parameters())
+        return [
+            name
+            for name, fed in zip(self.pre_names_registered, feeds.tolist())
+            if not fed and params[name].requires_grad
+        ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import lightning.pytorch as pl
 import pytest
 import tiny_models as tm
 import torch
@@ -11,7 +12,7 @@ from distributed import run_workers
 from elastic_cases import reference_run
 from torch.utils.data import default_collate
 
-from lightning_pipetx import FreezeCallback, find_blocks
+from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback, find_blocks
 from lightning_pipetx.pre_trace import PreTrace
 
 # The tests call training_step outside a Trainer.
@@ -147,3 +148,66 @@ def test_a_callback_reused_on_another_model_traces_it_again():
     freeze.load_state_dict({"frozen_blocks": 0, "decisions": 0, "pre_weights": [BIAS]})
     freeze.setup(_TrainerStub(), tm.TinyBertClassifier(seed=0, dropout=0.0), "fit")
     assert freeze.pre_weights is None
+
+
+def _traced_post(module) -> list[str]:
+    trace = PreTrace(find_blocks(module))
+    trace.start()
+    module.training_step(_batch("bert"), 0).backward()
+    trace.stop()
+    return trace.post_names()
+
+
+XLMR_HEAD = [f"model.classifier.{name}.{kind}" for name in ("dense", "out_proj") for kind in ("weight", "bias")]
+
+
+def test_a_head_registered_before_the_backbone_is_not_pre():
+    # XLM-R assigns its classifier before self.roberta: by position it would freeze with the prefix.
+    module = tm.TinyXLMRobertaClassifier(seed=0, dropout=0.0)
+    assert _traced_post(module) == XLMR_HEAD
+    freeze = FreezeCallback()
+    freeze.load_state_dict({"frozen_blocks": 0, "decisions": 0, "pre_weights": [], "post_weights": XLMR_HEAD})
+    freeze.setup(_TrainerStub(), module, "fit")
+    frozen = {id(p) for p in freeze.split.prefix_parameters(2)}
+    assert not any(id(p) in frozen for p in module.model.classifier.parameters())
+    assert any(id(p) in frozen for p in module.model.roberta.embeddings.parameters())
+    assert module.model.classifier not in freeze.split.prefix_modules(2)  # keeps its dropout in training
+
+
+class HeadFirst(tm.TinyBertClassifier):
+    """A LightningModule with its own head and loss temperature registered before the backbone,
+    and a learned shift added to the embeddings before the blocks."""
+
+    def __init__(self):
+        pl.LightningModule.__init__(self)
+        self.head = torch.nn.Linear(tm.HIDDEN, tm.NUM_LABELS)
+        self.temperature = torch.nn.Parameter(torch.ones(()))
+        self.shift = torch.nn.Parameter(torch.zeros(tm.HIDDEN))
+        self.model = tm.tiny_bert(seed=0, dropout=0.0).bert
+
+    def training_step(self, batch, batch_idx):
+        hidden = self.model.embeddings(input_ids=batch["input_ids"]) + self.shift
+        for layer in self.model.encoder.layer:
+            out = layer(hidden)
+            hidden = out[0] if isinstance(out, tuple) else out
+        logits = self.head(hidden[:, 0]) / self.temperature
+        return torch.nn.functional.cross_entropy(logits, batch["labels"])
+
+
+def test_weights_of_the_lightning_module_feeding_no_block_are_not_pre():
+    module = HeadFirst()
+    assert {name for name, _ in find_blocks(module).pre_direct_params} == {"temperature", "shift"}
+    assert _traced_post(module) == ["temperature", "head.weight", "head.bias"]
+
+
+def test_xlm_roberta_freezes_its_encoder_and_trains_its_head_with_the_cache_serving():
+    module = tm.TinyXLMRobertaClassifier(seed=0, dropout=0.1)
+    freeze, rates = FreezeCallback(alpha=1 / 3, signal="schedule"), tm.HitRates()
+    trainer = tm.make_trainer([freeze, rates], max_epochs=4, strategy=ElasticPipelineStrategy(cache="auto"))
+    head_before = {n: p.detach().clone() for n, p in module.model.classifier.named_parameters()}
+    trainer.fit(module, tm.task_loader("xlm_roberta", size=16))
+    assert freeze.post_weights == XLMR_HEAD and freeze.frozen_blocks == 3
+    assert all(p.requires_grad for p in module.model.classifier.parameters())
+    assert not any(p.requires_grad for p in module.model.roberta.embeddings.parameters())
+    assert all(not torch.equal(p, head_before[n]) for n, p in module.model.classifier.named_parameters())
+    assert rates.rates[-1] == 1.0  # every sample served once the deepest prefix is cached

@@ -376,10 +376,16 @@ def test_the_last_stage_sync_stays_with_the_run_and_leaves_metrics_as_they_were(
 
     module = torch.nn.Module()
     module.acc, module.own = MulticlassAccuracy(3), MulticlassAccuracy(3, dist_sync_fn=gather_all_tensors)
-    sync = LastStageSync(lambda: None)
+    sync = LastStageSync(_no_sources)
+    assert pickle.loads(pickle.dumps(sync)).sources is _no_sources  # spawn pickles the strategy
     sync.install(module)
-    assert module.acc.dist_sync_fn is sync and module.own.dist_sync_fn is gather_all_tensors
-    assert copy.deepcopy(module).acc.dist_sync_fn is sync  # a copy made during fit: not the strategy's
+    installed = module.acc.dist_sync_fn
+    assert callable(installed) and module.own.dist_sync_fn is gather_all_tensors
+    assert copy.deepcopy(module).acc.dist_sync_fn is installed  # a copy made during fit: not the strategy's
     assert pickle.loads(pickle.dumps(module.acc)).dist_sync_fn is gather_all_tensors
     sync.remove()
     assert module.acc.dist_sync_fn is None and module.own.dist_sync_fn is gather_all_tensors
+
+
+def _no_sources():
+    return None

@@ -92,6 +92,14 @@ def tiny_roberta(seed: int = 0, dropout: float = 0.1, num_labels: int = NUM_LABE
     return _seeded(seed, lambda: RobertaForSequenceClassification(config))
 
 
+def tiny_xlm_roberta(seed: int = 0, dropout: float = 0.1, num_labels: int = NUM_LABELS) -> nn.Module:
+    """XLM-R: its classification head is registered before the backbone."""
+    from transformers import XLMRobertaConfig, XLMRobertaForSequenceClassification
+
+    config = XLMRobertaConfig(**_offset_position_sizes(dropout, num_labels), attn_implementation="eager")
+    return _seeded(seed, lambda: XLMRobertaForSequenceClassification(config))
+
+
 def tiny_mpnet(seed: int = 0, dropout: float = 0.1, num_labels: int = NUM_LABELS) -> nn.Module:
     """MPNet: its relative position bias comes from a weight of the encoder outside the block
     list, computed once per call and passed to every block."""
@@ -419,6 +427,12 @@ class TinyMPNetClassifier(TinyBertClassifier):
     factory = staticmethod(tiny_mpnet)
 
 
+class TinyXLMRobertaClassifier(TinyBertClassifier):
+    """The same LightningModule around a tiny HF ``XLMRobertaForSequenceClassification``."""
+
+    factory = staticmethod(tiny_xlm_roberta)
+
+
 class TinyViTClassifier(pl.LightningModule):
     """An ordinary LightningModule around a tiny timm ``vit_tiny_patch16_224``."""
 
@@ -538,6 +552,7 @@ class TinyTask:
 TASKS: dict[str, TinyTask] = {
     "bert": TinyTask("bert", TinyBertClassifier, RandomTokenDataset, "model.bert.encoder.layer"),
     "mpnet": TinyTask("mpnet", TinyMPNetClassifier, RandomTokenDataset, "model.mpnet.encoder.layer"),
+    "xlm_roberta": TinyTask("xlm_roberta", TinyXLMRobertaClassifier, RandomTokenDataset, "model.roberta.encoder.layer"),
     "timm_vit": TinyTask("timm_vit", TinyViTClassifier, RandomImageDataset, "model.blocks"),
     "gpt2": TinyTask("gpt2", TinyGPT2LM, RandomTokenDataset, "model.transformer.h"),
     "t5": TinyTask("t5", TinyT5Seq2Seq, RandomTokenDataset, "model.decoder.block"),

@@ -116,6 +116,7 @@ class FreezeCallback(Callback):
         self._split: BlockSplit | None = None
         self._block_norms = BlockGradientNorms()
         self._pre_weights: list[str] | None = None  # found by the first training step's trace
+        self._post_weights: list[str] = []  # the same
         self._trace: PreTrace | None = None
         self._epoch_samples = 0
         self._epoch_seconds = 0.0
@@ -135,6 +136,12 @@ class FreezeCallback(Callback):
         them: they freeze with the prefix (None until that step ran)."""
         return self._pre_weights
 
+    @property
+    def post_weights(self) -> list[str]:
+        """Weights registered before the blocks from which the first training step computed no
+        block's input (a head assigned before the backbone): they train on."""
+        return self._post_weights
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if isinstance(trainer.strategy, (FSDPStrategy, DeepSpeedStrategy)):
             raise ValueError(
@@ -143,7 +150,7 @@ class FreezeCallback(Callback):
                 f"ElasticPipelineStrategy."
             )
         self._split = find_blocks(pl_module, agreed_block_path(self.blocks, trainer.strategy))
-        self._add_pre_weights()
+        self._apply_trace()
         num_blocks = self._split.num_blocks
         if num_blocks <= self.min_active_blocks:
             raise ValueError(
@@ -154,14 +161,14 @@ class FreezeCallback(Callback):
             self._norm_sums = torch.zeros(num_blocks, dtype=torch.float64)
             self._step_rows = []
 
-    def _add_pre_weights(self) -> None:
-        if self._split is None or not self._pre_weights:
+    def _apply_trace(self) -> None:
+        if self._split is None or self._pre_weights is None:
             return
         names = {name for name, _ in self._split.root.named_parameters()}
-        if names.issuperset(self._pre_weights):
-            self._split = self._split.with_pre_weights(self._pre_weights)
+        if names.issuperset(self._pre_weights + self._post_weights):
+            self._split = self._split.with_pre_weights(self._pre_weights).with_post_weights(self._post_weights)
         else:  # found on another model: trace this one's first step
-            self._pre_weights = None
+            self._pre_weights, self._post_weights = None, []
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not isinstance(trainer.strategy, ElasticPipelineStrategy):
@@ -211,10 +218,15 @@ class FreezeCallback(Callback):
         trace.stop()
         # A pipeline's first stage never runs the head: combine what every rank saw.
         reads = all_reduce_max(trace.reads.to(torch.float64)) if trace.names else trace.reads
-        self._pre_weights = trace.pre_names(reads)
-        self._add_pre_weights()
+        feeds = all_reduce_max(trace.feeds_blocks.to(torch.float64)) if trace.pre_names_registered else None
+        self._pre_weights, self._post_weights = trace.pre_names(reads), trace.post_names(feeds)
+        self._apply_trace()
         if self._pre_weights and trainer.is_global_zero:
             log.info("pipetx: %s, read only before the blocks, freeze with them", ", ".join(self._pre_weights))
+        if self._post_weights and trainer.is_global_zero:
+            log.info(
+                "pipetx: %s, registered before the blocks but feeding none, train on", ", ".join(self._post_weights)
+            )
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self._trace is not None:
@@ -373,7 +385,7 @@ class FreezeCallback(Callback):
         self._set_prefix_eval()
         on_freeze = getattr(trainer.strategy, "on_freeze", None)
         if callable(on_freeze):  # ElasticPipelineStrategy re-plans its layout
-            on_freeze(trainer, self.frozen_blocks)
+            on_freeze(trainer, self.frozen_blocks, self.split)
         elif isinstance(trainer.strategy, DDPStrategy):
             rewrap_ddp(trainer.strategy)
 
@@ -396,6 +408,7 @@ class FreezeCallback(Callback):
             "guard": None if self.guard is None else self.guard.state_dict(),
             "observed": None if self._observed is None else self._mean_observed(),  # not judged yet
             "pre_weights": self._pre_weights,
+            "post_weights": self._post_weights,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -406,7 +419,8 @@ class FreezeCallback(Callback):
         self._step_rows = []
         self._norm_steps = int(state_dict.get("norm_steps", 0))
         self._pre_weights = state_dict.get("pre_weights")
-        self._add_pre_weights()
+        self._post_weights = state_dict.get("post_weights") or []
+        self._apply_trace()
         if self.guard is not None and state_dict.get("guard") is not None:
             self.guard.load_state_dict(state_dict["guard"])
             self._observed = state_dict.get("observed")

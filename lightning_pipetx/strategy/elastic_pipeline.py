@@ -344,8 +344,9 @@ class ElasticPipelineStrategy(DDPStrategy):
         return engine
 
     # ---------------------------------------------------------- transitions
-    def on_freeze(self, trainer: pl.Trainer, frozen_blocks: int) -> None:
-        """Called by FreezeCallback on every rank after it froze ``frozen_blocks`` leading blocks.
+    def on_freeze(self, trainer: pl.Trainer, frozen_blocks: int, split: BlockSplit | None = None) -> None:
+        """Called by FreezeCallback on every rank after it froze ``frozen_blocks`` leading blocks
+        (``split``: its view of the model, with what its trace found outside ``pre``).
 
         With ``elastic=True`` the strategy re-plans the layout for the new frozen prefix and,
         when the plan changed, moves to it before the next epoch's dataloaders are built.
@@ -353,7 +354,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         engine = self._require_engine()
         engine.share_updated_params(self.optimizers)
         engine.frozen = frozen_blocks
-        self._autocache.on_freeze(self.lightning_module, self._split, frozen_blocks)
+        self._autocache.on_freeze(self.lightning_module, split or self._split, frozen_blocks)
         if not self.elastic:
             self._frozen = frozen_blocks
             return  # the ablation: blocks freeze in place, the layout stays

@@ -72,19 +72,31 @@ class LastStageSync:
 
     def __init__(self, sources: Callable[[], list[int] | None]) -> None:
         self.sources = sources
+        self._gather: _GatherFromSources | None = None
         self._installed: list[Metric] = []
 
     def install(self, module: nn.Module) -> None:
+        self._gather = self._gather or _GatherFromSources(self.sources)
         for metric in module.modules():
             if isinstance(metric, Metric) and metric.dist_sync_fn is None:
-                metric.dist_sync_fn = self
+                metric.dist_sync_fn = self._gather
                 self._installed.append(metric)
 
     def remove(self) -> None:
         for metric in self._installed:
-            if metric.dist_sync_fn is self:
+            if metric.dist_sync_fn is self._gather:
                 metric.dist_sync_fn = None
-        self._installed = []
+        self._installed, self._gather = [], None
+
+    def __getstate__(self) -> dict:  # the strategy travels to spawned processes before fit
+        return {"sources": self.sources, "_gather": None, "_installed": []}
+
+
+class _GatherFromSources:
+    """A metric's ``dist_sync_fn`` while :class:`LastStageSync` is installed."""
+
+    def __init__(self, sources: Callable[[], list[int] | None]) -> None:
+        self.sources = sources
 
     def __call__(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
         sources = self.sources()
@@ -93,7 +105,7 @@ class LastStageSync:
         return gather_from_ranks(tensor, sources)
 
     # A copy of the module made during fit (deepcopy, pickle) must not copy the strategy.
-    def __deepcopy__(self, memo: dict) -> LastStageSync:
+    def __deepcopy__(self, memo: dict) -> _GatherFromSources:
         return self
 
     def __reduce__(self) -> tuple:
