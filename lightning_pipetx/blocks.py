@@ -2,9 +2,9 @@
 
 A Transformer is seen as ``pre`` (everything that runs before block 0: embeddings, patch
 embedding, class tokens), the block list ``blocks[0..L)``, and ``post`` (final norm, pooler,
-head). The block list is the container with the most parameters among the
-``nn.ModuleList``/``nn.Sequential`` modules whose children (two or more) all have one type;
-a dotted path overrides the search.
+head). The block list is the container with the most trainable parameters (then the most
+parameters) among the ``nn.ModuleList``/``nn.Sequential`` modules whose children (two or more)
+all have one type; a dotted path overrides the search.
 
 ``pre`` and ``post`` are decided by position in the module tree: along the chain of modules
 from the root down to the block list, children registered before the chain's next link are
@@ -131,13 +131,15 @@ def _num_params(module: nn.Module) -> int:
 
 
 def _find_block_path(root: nn.Module) -> str | None:
-    best: tuple[int, int, int] | None = None
+    best: tuple[int, int, int, int] | None = None
     best_path = None
     for name, module in root.named_modules():
         if not name or not _is_block_list(module):
             continue
-        # Most parameters wins; then more blocks; then the shallower path.
-        key = (_num_params(module), len(module), -name.count("."))
+        # Most trainable parameters wins (a frozen teacher's blocks lose to its student's); then
+        # most parameters; then more blocks; then the shallower path.
+        trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        key = (trainable, _num_params(module), len(module), -name.count("."))
         if best is None or key > best:
             best, best_path = key, name
     return best_path

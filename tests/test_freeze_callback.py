@@ -275,6 +275,38 @@ def test_model_without_block_list_fails_at_setup_naming_blocks():
         trainer.fit(Flat(), seq_loader())
 
 
+class Distillation(tm.TinyBertClassifier):
+    """A student trained against a frozen teacher with more weights, registered after it."""
+
+    def __init__(self):
+        super().__init__(seed=0, dropout=0.0)
+        self.teacher = tm.tiny_bert(seed=1, dropout=0.0, num_labels=tm.NUM_LABELS)
+        self.teacher.bert.encoder.layer.extend(tm.tiny_bert(seed=2, dropout=0.0).bert.encoder.layer)
+        self.teacher.requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        with torch.no_grad():
+            target = self.teacher(**batch).logits.softmax(-1)
+        logits = self(batch).logits
+        return nn.functional.cross_entropy(logits, target) + self(batch).loss
+
+
+def test_the_trained_block_list_is_frozen_not_a_frozen_teachers():
+    module, freeze = Distillation(), FreezeCallback(alpha=1 / 3, signal="schedule")
+    teacher = {n: p.detach().clone() for n, p in module.teacher.named_parameters()}
+    make_trainer([freeze], max_epochs=2).fit(module, tm.task_loader("bert", size=16))
+    assert freeze.split.path == "model.bert.encoder.layer" and freeze.frozen_blocks == 3
+    assert not any(p.requires_grad for p in module.model.bert.encoder.layer[:3].parameters())
+    assert all(torch.equal(p, teacher[n]) for n, p in module.teacher.named_parameters())
+
+
+def test_a_block_list_that_trains_nothing_is_refused():
+    module = Distillation()
+    trainer = make_trainer([FreezeCallback(blocks="teacher.bert.encoder.layer")], max_epochs=1)
+    with pytest.raises(ValueError, match="no weight of the blocks 'teacher.bert.encoder.layer' trains"):
+        trainer.fit(module, tm.task_loader("bert", size=16))
+
+
 def test_explicit_blocks_path_is_used():
     module = seq_module()
     # ``model.blocks`` holds 4 blocks; a smaller, explicit list of 2 Linear layers takes precedence.

@@ -552,7 +552,6 @@ class TinyTask:
 TASKS: dict[str, TinyTask] = {
     "bert": TinyTask("bert", TinyBertClassifier, RandomTokenDataset, "model.bert.encoder.layer"),
     "mpnet": TinyTask("mpnet", TinyMPNetClassifier, RandomTokenDataset, "model.mpnet.encoder.layer"),
-    "xlm_roberta": TinyTask("xlm_roberta", TinyXLMRobertaClassifier, RandomTokenDataset, "model.roberta.encoder.layer"),
     "timm_vit": TinyTask("timm_vit", TinyViTClassifier, RandomImageDataset, "model.blocks"),
     "gpt2": TinyTask("gpt2", TinyGPT2LM, RandomTokenDataset, "model.transformer.h"),
     "t5": TinyTask("t5", TinyT5Seq2Seq, RandomTokenDataset, "model.decoder.block"),

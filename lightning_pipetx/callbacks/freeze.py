@@ -151,6 +151,11 @@ class FreezeCallback(Callback):
             )
         self._split = find_blocks(pl_module, agreed_block_path(self.blocks, trainer.strategy))
         self._apply_trace()
+        if self.frozen_blocks == 0 and not any(p.requires_grad for p in self._split.blocks.parameters()):
+            raise ValueError(
+                f"FreezeCallback: no weight of the blocks {self._split.path!r} trains (requires_grad=False "
+                f"everywhere), so there is nothing to freeze. Pass blocks='...' naming the block list you train."
+            )
         num_blocks = self._split.num_blocks
         if num_blocks <= self.min_active_blocks:
             raise ValueError(
