@@ -20,7 +20,7 @@ from recipes_cases import (
 )
 from recipes_cases import train_loader as recipes_loader
 
-from lightning_pipetx import ElasticPipelineStrategy
+from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 from lightning_pipetx.strategy.model_checks import (
     UnsupportedOutputsError,
     UnsupportedRecipeError,
@@ -128,6 +128,29 @@ def test_learning_rates_that_differ_between_ranks_stop_the_run(tmp_path):
         assert f"[rank{rank}]: lightning_pipetx.strategy.model_checks.UnsupportedRecipeError: " in output
     assert "learning rate of parameter group 0 differs between ranks (0.0001 to 0.001)" in output
     assert "sync_dist=True" in output
+
+
+def test_a_model_that_drops_blocks_at_random_is_refused_under_a_pipeline(tmp_path):
+    output = run_workers("recipes_worker.py", 2, str(tmp_path), "layerdrop", expect_failure=True)
+    for rank in (0, 1):
+        assert f"[rank{rank}]: lightning_pipetx.strategy.model_checks.UnsupportedRecipeError: " in output
+    assert "BertForSequenceClassification.config.layerdrop=0.1 under a 2-stage pipeline" in output
+
+
+@pytest.mark.parametrize("cache", [True, "auto"])
+def test_a_model_that_drops_blocks_at_random_is_not_cached(cache, caplog):
+    module = hook_counting_module()
+    module.model.config.layerdrop = 0.1
+    freeze, rates = FreezeCallback(alpha=1 / 2, signal="schedule"), tm.HitRates()
+    trainer = tm.make_trainer([freeze, rates], max_epochs=3, strategy=ElasticPipelineStrategy(cache=cache))
+    if cache is True:
+        with pytest.raises(UnsupportedRecipeError, match="layerdrop=0.1 skips frozen blocks at random"):
+            trainer.fit(module, recipes_loader(8))
+        return
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        trainer.fit(module, recipes_loader(8))
+    assert freeze.frozen_blocks > 0 and not any(rates.rates)  # nothing served
+    assert "layerdrop=0.1 skips frozen blocks at random" in caplog.text
 
 
 def test_weight_averaging_under_a_pipeline_is_refused(tmp_path):

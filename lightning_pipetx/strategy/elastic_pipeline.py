@@ -42,7 +42,10 @@ from lightning_pipetx.strategy.metric_sync import LastStageSync, MetricGroups
 from lightning_pipetx.strategy.model_checks import (
     CollectedOutputChecks,
     UnsupportedOutputsError,
+    UnsupportedRecipeError,
+    block_dropping,
     microbatches_for_training,
+    refuse_block_dropping,
     refuse_diverging_learning_rates,
     refuse_manual_optimization,
     refuse_unconverted_batch_norms,
@@ -297,6 +300,12 @@ class ElasticPipelineStrategy(DDPStrategy):
             refuse_unagreed_overflow(self.optimizers, scaler, plan.layout.pipeline_length)
             refuse_weight_averaging(trainer.callbacks, plan.layout.pipeline_length)
             refuse_time_based_validation(trainer, self.world_size)
+            dropping = block_dropping(self.lightning_module)
+            refuse_block_dropping(dropping, plan.layout.pipeline_length)
+            if dropping:
+                model, key, value = dropping[0]
+                reason = f"{model}.config.{key}={value:g} skips frozen blocks at random, which cached states cannot"
+                self._autocache.refuse(reason, UnsupportedRecipeError, f"Pass cache=False, or set {key} to 0.")
             for callback in weight_averaging(trainer.callbacks):
                 used_in = averaged_weights_used_in(callback, self.lightning_module, trainer.max_epochs)
                 self._refuse_cache_for_averaging(type(callback).__name__, used_in)

@@ -89,6 +89,33 @@ def _is_hf_model(module: nn.Module) -> bool:
     return config is not None and hasattr(config, "to_dict") and hasattr(module, "can_generate")
 
 
+def block_dropping(root: nn.Module) -> list[tuple[str, str, float]]:
+    """``(model class, config field, probability)`` of each Hugging Face model inside ``root``
+    that drops whole blocks at random in training (``layerdrop``, ``encoder_layerdrop``, ...:
+    Wav2Vec2, HuBERT, BART)."""
+    found, seen = [], set()
+    for module in root.modules():
+        if not _is_hf_model(module) or id(module.config) in seen:
+            continue
+        seen.add(id(module.config))
+        for key, value in module.config.to_dict().items():
+            if key.endswith("layerdrop") and isinstance(value, (int, float)) and value > 0:
+                found.append((type(module).__name__, key, float(value)))
+    return found
+
+
+def refuse_block_dropping(settings: list[tuple[str, str, float]], pipeline_length: int) -> None:
+    """Refuse a model that drops whole blocks at random under a pipeline: each stage would draw
+    its own skips, and a stage whose last blocks are skipped never reaches its boundary."""
+    if settings and pipeline_length > 1:
+        model, key, value = settings[0]
+        raise UnsupportedRecipeError(
+            f"{model}.config.{key}={value:g} under a {pipeline_length}-stage pipeline: the model skips whole "
+            f"blocks at random in training, and the stages cannot agree on which. Set model.config.{key} = 0.0, "
+            f"or pass ElasticPipelineStrategy(pipeline_length=1)."
+        )
+
+
 class CollectedOutputChecks:
     """Installs the checks on every Hugging Face and timm model inside ``root``."""
 

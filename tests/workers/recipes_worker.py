@@ -1,7 +1,7 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
 rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau) [resume CKPT]
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop) [resume CKPT]
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do) and
 "own_sampler" turns Lightning's distributed sampler off: both give the two stages different
@@ -96,6 +96,8 @@ def main() -> None:
         "epoch_metrics": epoch_metrics_module,
         "plateau": plateau_module,
     }.get(mode, hook_counting_module)()
+    if mode == "layerdrop":  # as Wav2Vec2's and HuBERT's configs have by default
+        module.model.config.layerdrop = 0.1
     summary = SummaryAtFitStart()
     freeze = FreezeCallback() if mode.startswith("fp16") else None  # measures gradient norms per step
     if mode in ("scheduled_uneven", "summed_count", "epoch_metrics"):  # 2x1 -> 1x2 after epoch 0
