@@ -11,6 +11,7 @@ from elastic_cases import build_module, reference_run, train_loader
 from lightning.pytorch.plugins import MixedPrecision
 from recipes_cases import (
     STEPS,
+    albert_module,
     fp16_module,
     fp16_reference,
     hidden_states_module,
@@ -151,6 +152,33 @@ def test_a_model_that_drops_blocks_at_random_is_not_cached(cache, caplog):
         trainer.fit(module, recipes_loader(8))
     assert freeze.frozen_blocks > 0 and not any(rates.rates)  # nothing served
     assert "layerdrop=0.1 skips frozen blocks at random" in caplog.text
+
+
+def test_blocks_that_run_more_than_once_per_forward_are_refused_under_a_pipeline(tmp_path):
+    # ALBERT's 4 layers run 2 layer groups twice each: a stage would run its group for both.
+    output = run_workers("recipes_worker.py", 2, str(tmp_path), "albert", expect_failure=True, timeout=120)
+    assert "block 0 ran 2 times in one forward (the model reuses a block's weights, as ALBERT does" in output
+
+
+def test_a_block_list_holding_one_module_several_times_is_refused_under_a_pipeline(tmp_path):
+    output = run_workers("recipes_worker.py", 2, str(tmp_path), "shared_list", expect_failure=True)
+    for rank in (0, 1):
+        assert f"[rank{rank}]: lightning_pipetx.strategy.model_checks.UnsupportedRecipeError: " in output
+    assert "the weight 'model.bert.encoder.layer.1.attention.self.query.weight' is shared with block 0" in output
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_blocks_that_run_more_than_once_are_not_cached(cache):
+    # One device: freezing alone is exact; a cached prefix would stand for every run of a block.
+    module = albert_module()
+    freeze = FreezeCallback(alpha=1 / 2, signal="schedule")
+    trainer = tm.make_trainer([freeze], max_epochs=2, strategy=ElasticPipelineStrategy(cache=cache))
+    if cache:
+        with pytest.raises(RuntimeError, match="block 0 ran 2 times in one forward"):
+            trainer.fit(module, recipes_loader(8))
+    else:
+        trainer.fit(module, recipes_loader(8))
+        assert freeze.frozen_blocks == 1 and trainer.global_step == 8
 
 
 def test_weight_averaging_under_a_pipeline_is_refused(tmp_path):

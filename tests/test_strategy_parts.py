@@ -389,3 +389,18 @@ def test_the_last_stage_sync_stays_with_the_run_and_leaves_metrics_as_they_were(
 
 def _no_sources():
     return None
+
+
+def test_a_block_weight_tied_to_the_head_is_refused_under_a_pipeline_only():
+    from lightning_pipetx.strategy.model_checks import UnsupportedRecipeError, refuse_shared_block_weights
+
+    module = build_model("bert")
+    last = module.bert.encoder.layer[-1].output.dense
+    module.tied_head = torch.nn.Linear(last.in_features, last.out_features)
+    module.tied_head.weight = last.weight
+    blocks = module.bert.encoder.layer
+    refuse_shared_block_weights(module, "bert.encoder.layer", blocks, pipeline_length=1)
+    with pytest.raises(
+        UnsupportedRecipeError, match="'tied_head.weight' is shared with block 3 of 'bert.encoder.layer'"
+    ):
+        refuse_shared_block_weights(module, "bert.encoder.layer", blocks, pipeline_length=2)

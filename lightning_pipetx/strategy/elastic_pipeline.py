@@ -48,6 +48,7 @@ from lightning_pipetx.strategy.model_checks import (
     refuse_block_dropping,
     refuse_diverging_learning_rates,
     refuse_manual_optimization,
+    refuse_shared_block_weights,
     refuse_unconverted_batch_norms,
 )
 from lightning_pipetx.strategy.options import check_arguments
@@ -291,6 +292,9 @@ class ElasticPipelineStrategy(DDPStrategy):
         # for an LR schedule): it is sharded by replica and recorded for AutoCache as it is built, so
         # that Lightning keeps it (building it again would draw another seed from the user's stream).
         self._layout0 = plan.layout
+        refuse_shared_block_weights(
+            self.lightning_module, self._split.path, self._split.blocks, plan.layout.pipeline_length
+        )
         if fitting:
             refuse_manual_optimization(self.lightning_module)
             refuse_unconverted_batch_norms(self.lightning_module, self._layer_sync)

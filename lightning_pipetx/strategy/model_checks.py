@@ -89,6 +89,30 @@ def _is_hf_model(module: nn.Module) -> bool:
     return config is not None and hasattr(config, "to_dict") and hasattr(module, "can_generate")
 
 
+def refuse_shared_block_weights(root: nn.Module, path: str, blocks: nn.Module, pipeline_length: int) -> None:
+    """Refuse, under a pipeline, a weight that a block of ``blocks`` (at ``path`` in ``root``)
+    shares with another block or with the rest of the model (tied to a head): each rank releases
+    the blocks it does not run, and such a weight with them."""
+    if pipeline_length <= 1:
+        return
+    owner: dict[int, int] = {}
+    for index, block in enumerate(blocks):
+        for name, param in block.named_parameters():
+            if owner.setdefault(id(param), index) != index:
+                _refuse_shared(f"{path}.{index}.{name}", f"block {owner[id(param)]}", pipeline_length)
+    for name, param in root.named_parameters(remove_duplicate=False):
+        if id(param) in owner and not name.startswith(path + "."):
+            _refuse_shared(name, f"block {owner[id(param)]} of {path!r}", pipeline_length)
+
+
+def _refuse_shared(name: str, other: str, pipeline_length: int) -> None:
+    raise UnsupportedRecipeError(
+        f"the weight {name!r} is shared with {other}: under a {pipeline_length}-stage pipeline each rank releases the "
+        f"blocks it does not run, and a weight they share with it. Untie the weights (or use one module per "
+        f"block), or pass ElasticPipelineStrategy(pipeline_length=1)."
+    )
+
+
 def block_dropping(root: nn.Module) -> list[tuple[str, str, float]]:
     """``(model class, config field, probability)`` of each Hugging Face model inside ``root``
     that drops whole blocks at random in training (``layerdrop``, ``encoder_layerdrop``, ...:

@@ -82,6 +82,7 @@ class StageHooks:
         self.on_first_block: Callable[[], None] | None = None  # AutoCache times the prefix it computes
         self.on_capture: Callable[[], None] | None = None
         self.on_prefix_input: Callable[[torch.Tensor], None] | None = None  # block 0's hidden state, for AutoCache
+        self.called: list[int] = []  # the blocks called since the stage runner cleared it
         self._saved: dict[int, Any] = {}
 
     def install(self) -> None:
@@ -100,6 +101,7 @@ class StageHooks:
                 block.forward = saved
 
     def _forward(self, index: int, original: Callable, first_arg: str | None, *args: Any, **kwargs: Any) -> Any:
+        self.called.append(index)
         if index == 0 and self.on_prefix_input is not None:
             hidden = args[0] if args else kwargs.get(first_arg)
             if isinstance(hidden, torch.Tensor):
@@ -147,3 +149,17 @@ def _replace_first_input(
     if first_arg is None or first_arg not in kwargs:
         raise TypeError("cannot find the hidden-state input of the stage's first block")
     return args, {**kwargs, first_arg: value}
+
+
+def refuse_repeated_blocks(called: list[int], pipelined: bool, caching: bool) -> None:
+    """Refuse a forward that called a block more than once (``called``: the blocks in call
+    order) under a pipeline or while AutoCache skips or captures blocks: ALBERT reuses its
+    layers' weights so, and a whole list of one module calls it under every index."""
+    if len(set(called)) == len(called) or not (pipelined or caching):
+        return
+    repeated = next(i for i in called if called.count(i) > 1)
+    raise RuntimeError(
+        f"block {repeated} ran {called.count(repeated)} times in one forward (the model reuses a block's weights, "
+        f"as ALBERT does, or its block list holds one module several times): a pipeline stage or a cached prefix "
+        f"needs every block to run once. Pass ElasticPipelineStrategy(pipeline_length=1, cache=False)."
+    )

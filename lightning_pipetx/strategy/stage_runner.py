@@ -35,7 +35,7 @@ from lightning_pipetx.strategy.p2p import (
     empty_header,
     stand_in_sends,
 )
-from lightning_pipetx.strategy.stage_hooks import StageExit, StageHooks
+from lightning_pipetx.strategy.stage_hooks import StageExit, StageHooks, refuse_repeated_blocks
 from lightning_pipetx.strategy.topology import Topology
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -248,23 +248,31 @@ class StageRunner:
         self, microbatch: Any, step_fn: Callable[[Any], Any], position: int, incoming: Activation | None
     ) -> tuple[_InFlight, Activation | None]:
         """Run one micro-batch's forward; returns it in flight and the activation to send on."""
-        topo = self.topology
-        self.hooks.incoming = incoming
+        topo, hooks = self.topology, self.hooks
+        hooks.incoming, hooks.called = incoming, []
         try:
             with self.microbatch_context(position):
-                output = step_fn(microbatch)
+                try:
+                    output = step_fn(microbatch)
+                finally:  # inside the context, which says whether AutoCache skips or captures blocks
+                    self._check_calls()
         except StageExit as boundary:
             act = boundary.activation
             sent = act if any(act.needs_grad) else None
             return _InFlight(incoming, sent), act
         finally:
-            self.hooks.incoming = None
+            hooks.incoming = None
         if not topo.is_last_stage:
             raise RuntimeError(
                 f"stage {topo.stage} finished its step without reaching block {self.hooks.end - 1}: the "
                 f"model's forward must run every block for each micro-batch."
             )
         return _InFlight(incoming, output), None
+
+    def _check_calls(self) -> None:
+        hooks = self.hooks
+        caching = hooks.skip_until > 0 or hooks.capture_at >= 0
+        refuse_repeated_blocks(hooks.called, self.topology.pipeline_length > 1, caching)
 
     # ----------------------------------------------------------- backward
     def _backward(self, flight: _InFlight, loss_weight: float, grads: list[torch.Tensor]) -> list:

@@ -6,7 +6,7 @@ import lightning.pytorch as pl
 import torch
 from equivalence_cases import build_case_module
 from lightning.pytorch.plugins import MixedPrecision
-from tiny_models import NUM_LABELS, TASKS, make_trainer
+from tiny_models import HIDDEN, NUM_LABELS, TASKS, VOCAB, make_trainer
 from torch.utils.data import DataLoader, DistributedSampler
 from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC
@@ -179,6 +179,38 @@ def plateau_module() -> pl.LightningModule:
 
     module.validation_step = validation_step
     module.configure_optimizers = configure_optimizers
+    return module
+
+
+def albert_module() -> pl.LightningModule:
+    """A tiny ALBERT whose 4 layers share the weights of 2 layer groups (``num_hidden_groups=2``):
+    each group, a block of its block list, runs twice in every forward."""
+    from transformers import AlbertConfig, AlbertForSequenceClassification
+
+    module = build_case_module({"model": "bert", "lr": 1e-3})
+    config = AlbertConfig(
+        vocab_size=VOCAB,
+        embedding_size=16,
+        hidden_size=HIDDEN,
+        num_hidden_layers=4,
+        num_hidden_groups=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        num_labels=NUM_LABELS,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(0)
+    module.model = AlbertForSequenceClassification(config)
+    return module
+
+
+def shared_list_module() -> pl.LightningModule:
+    """A tiny BERT whose encoder runs one layer four times: its block list holds one module."""
+    module = build_case_module({"model": "bert", "lr": 1e-3})
+    layers = module.model.bert.encoder.layer
+    module.model.bert.encoder.layer = torch.nn.ModuleList([layers[0]] * len(layers))
     return module
 
 
