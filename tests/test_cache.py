@@ -553,3 +553,40 @@ def test_a_loader_without_automatic_batching_is_not_recorded(tmp_path):
         loader, CacheSite(f"{tmp_path.parent.name}-{tmp_path.name}", 0, torch.device("cpu"), share_host=False)
     )
     assert returned is loader and opened is None and loader.batch_sampler is None
+
+
+class TinySwinV2Classifier(tm.TinyViTClassifier):
+    """HF Swin-v2: each stage (a block of its block list) returns its output's dimensions as ints."""
+
+    def __init__(self):
+        pl.LightningModule.__init__(self)
+        from transformers import Swinv2Config, Swinv2ForImageClassification
+
+        config = Swinv2Config(
+            image_size=tm.IMG_SIZE, patch_size=4, embed_dim=16, depths=[1, 1, 2, 1], num_heads=[1, 1, 2, 2],
+            window_size=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0,
+            num_labels=tm.NUM_CLASSES,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        self.model = Swinv2ForImageClassification(config)
+        self.loss_fn = torch.nn.CrossEntropyLoss()
+        self.hparams.lr = 1e-3
+
+    def forward(self, images):
+        return self.model(pixel_values=images).logits
+
+
+@pytest.mark.parametrize("cache", ["auto", True])
+def test_a_prefix_whose_output_cannot_be_kept_is_not_cached(cache, caplog):
+    # One device, the README's recipe: the model trains on, without the cache.
+    freeze = FreezeCallback(alpha=1 / 2, signal="schedule")
+    trainer = tm.make_trainer([freeze], max_epochs=3, strategy=ElasticPipelineStrategy(cache=cache))
+    loader = tm.task_loader("timm_vit", size=16)
+    if cache is True:
+        with pytest.raises(ValueError, match="cache=True.*last block returns what cannot be kept"):
+            trainer.fit(TinySwinV2Classifier(), loader)
+        return
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        trainer.fit(TinySwinV2Classifier(), loader)
+    assert freeze.frozen_blocks == 3 and trainer.global_step == 6
+    assert "last block returns what cannot be kept" in caplog.text

@@ -56,6 +56,12 @@ class CachedPrefix:
             raise ValueError(f"ElasticPipelineStrategy(cache=True): {reason}. Pass cache=False (or cache='auto').")
         self.cache.disable(reason + ".")
 
+    def _refuse_output(self, error: Exception) -> None:
+        reason = f"the frozen prefix's last block returns what cannot be kept ({error})"
+        if self.cache.force:
+            raise ValueError(f"ElasticPipelineStrategy(cache=True): {reason}. Pass cache=False (or cache='auto').")
+        self.cache.disable(reason)
+
     def _observe_input(self, indices: torch.Tensor, batch: Any) -> None:
         self.cache.guard.observe(indices, sample_fingerprints(batch, len(indices), self.device))
         self._sample_shapes = _sample_shapes(batch)
@@ -113,12 +119,13 @@ class CachedPrefix:
             hooks.capture_at = depth - 1
             hooks.on_first_block = lambda: timing.__setitem__(0, cache.watch.start("compute"))
             hooks.on_capture = captured
+            hooks.on_uncacheable = self._refuse_output
         try:
             yield
         finally:
             captured_state = hooks.captured
             hooks.skip_until, hooks.capture_at, hooks.captured = 0, -1, None
-            hooks.on_first_block = hooks.on_capture = hooks.on_prefix_input = None
+            hooks.on_first_block = hooks.on_capture = hooks.on_prefix_input = hooks.on_uncacheable = None
             if captured_state is not None:
                 cache.store(indices, depth, captured_state)
 

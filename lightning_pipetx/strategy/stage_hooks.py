@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pipetx.strategy.p2p import Activation
+from lightning_pipetx.strategy.p2p import Activation, BoundaryError
 
 
 class StageExit(BaseException):  # noqa: N818 - control flow, not an error
@@ -81,6 +81,7 @@ class StageHooks:
         self.captured: Activation | None = None
         self.on_first_block: Callable[[], None] | None = None  # AutoCache times the prefix it computes
         self.on_capture: Callable[[], None] | None = None
+        self.on_uncacheable: Callable[[Exception], None] | None = None  # the captured output cannot be kept
         self.on_prefix_input: Callable[[torch.Tensor], None] | None = None  # block 0's hidden state, for AutoCache
         self.called: list[int] = []  # the blocks called since the stage runner cleared it
         self._saved: dict[int, Any] = {}
@@ -125,12 +126,21 @@ class StageHooks:
             self.on_first_block()
         output = self.timer.run(index, original, *args, **kwargs)
         if index == self.capture_at:
-            self.captured = Activation.of_output(output)
-            if self.on_capture is not None:
-                self.on_capture()
+            self._capture(output)
         if index == self.end - 1 and not self.is_last_stage:
             raise StageExit(Activation.of_output(output))
         return output
+
+    def _capture(self, output: Any) -> None:
+        try:
+            self.captured = Activation.of_output(output)
+        except BoundaryError as error:  # for AutoCache, which cannot keep it: not a stage boundary
+            if self.on_uncacheable is None or (self.capture_at == self.end - 1 and not self.is_last_stage):
+                raise
+            self.on_uncacheable(error)
+            return
+        if self.on_capture is not None:
+            self.on_capture()
 
     def _incoming(self) -> Activation:
         if self.incoming is None:
