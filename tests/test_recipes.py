@@ -181,6 +181,12 @@ def test_blocks_that_run_more_than_once_are_not_cached(cache):
         assert freeze.frozen_blocks == 1 and trainer.global_step == 8
 
 
+def test_checkpointing_around_the_blocks_fails_with_an_explanation_under_a_pipeline(tmp_path):
+    # timm recomputes segments of its blocks in the backward, beyond what a stage holds.
+    output = run_workers("recipes_worker.py", 2, str(tmp_path), "timm_checkpointing", expect_failure=True, timeout=120)
+    assert "activation checkpointing wraps several blocks from outside them" in output
+
+
 def test_weight_averaging_under_a_pipeline_is_refused(tmp_path):
     # EMA averages every weight after each step; a rank holds only its stage's blocks.
     output = run_workers("recipes_worker.py", 2, str(tmp_path), "ema", expect_failure=True)

@@ -146,7 +146,11 @@ class StageHooks:
         if self.incoming is None:
             raise RuntimeError(
                 "the model was called outside a pipelined step: under ElasticPipelineStrategy each rank "
-                "holds only its stage's blocks, so call the model from training/validation/test/predict_step."
+                "holds only its stage's blocks, so call the model from training/validation/test/predict_step. "
+                "If this happened in the backward, activation checkpointing wraps several blocks from outside "
+                "them and recomputes them there (timm's set_grad_checkpointing does): a stage cannot; turn it off, "
+                "checkpoint inside each block (Hugging Face's gradient_checkpointing_enable), or pass "
+                "pipeline_length=1."
             )
         return self.incoming
 

@@ -60,6 +60,13 @@ def intermediates_module() -> pl.LightningModule:
     return module
 
 
+def timm_checkpointing_module() -> pl.LightningModule:
+    """A tiny timm ViT with timm's own activation checkpointing, which wraps its blocks from outside."""
+    module = build_case_module({"model": "timm_vit", "lr": 1e-3})
+    module.model.set_grad_checkpointing(True)
+    return module
+
+
 class _InfOnce:
     """A gradient hook that turns the first gradient of one parameter into inf: an overflow
     in one stage only, as fp16 produces when one block's gradients outgrow the scale."""

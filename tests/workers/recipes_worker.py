@@ -1,7 +1,7 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
 rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list) [resume CKPT]
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing) [resume CKPT]
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do) and
 "own_sampler" turns Lightning's distributed sampler off: both give the two stages different
@@ -33,6 +33,7 @@ from recipes_cases import (
     shared_list_module,
     step_synced_metric_module,
     summed_count_module,
+    timm_checkpointing_module,
     train_loader,
 )
 from worker_exit import run_worker
@@ -99,6 +100,7 @@ def main() -> None:
         "plateau": plateau_module,
         "albert": albert_module,
         "shared_list": shared_list_module,
+        "timm_checkpointing": timm_checkpointing_module,
     }.get(mode, hook_counting_module)()
     if mode == "layerdrop":  # as Wav2Vec2's and HuBERT's configs have by default
         module.model.config.layerdrop = 0.1
@@ -113,7 +115,9 @@ def main() -> None:
     length = 1 if mode == "fp16_fused_replicas" else 2
     # The refused outputs are refused on the first stage only (the last one waits for its hidden
     # state): the ranks agree on the failure within a third of this timeout.
-    timeout = timedelta(seconds=30 if mode in ("hidden_states", "intermediates", "albert") else 1800)
+    timeout = timedelta(
+        seconds=30 if mode in ("hidden_states", "intermediates", "albert", "timm_checkpointing") else 1800
+    )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -135,7 +139,7 @@ def main() -> None:
     )
     # the loader's batch is per replica, as under DDP: the global batch is GLOBAL_BATCH on either layout
     batch = GLOBAL_BATCH // 2 if length == 1 else GLOBAL_BATCH
-    loader = train_loader(batch, task="timm_vit" if mode == "intermediates" else "bert")
+    loader = train_loader(batch, task="timm_vit" if mode in ("intermediates", "timm_checkpointing") else "bert")
     if mode == "scheduled_uneven":  # 39 samples: 4 global batches of 8 an epoch, 7 samples dropped
         loader = train_loader(batch, size=39, drop_last=True)
     if mode == "random_collate":
