@@ -307,6 +307,29 @@ def test_a_block_list_that_trains_nothing_is_refused():
         trainer.fit(module, tm.task_loader("bert", size=16))
 
 
+class BuiltInConfigureModel(tm.TinyBertClassifier):
+    """Builds its model in configure_model, as Lightning recommends for large models."""
+
+    def __init__(self):
+        pl.LightningModule.__init__(self)
+        self.model = None
+        self.hparams.lr = 1e-3
+
+    def configure_model(self):
+        if self.model is None:
+            self.model = tm.tiny_bert(seed=0, dropout=0.0)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "elastic"])
+def test_a_model_built_in_configure_model_is_found_and_frozen(strategy):
+    from lightning_pipetx import ElasticPipelineStrategy
+
+    freeze = FreezeCallback(alpha=1 / 3, signal="schedule")
+    chosen = ElasticPipelineStrategy() if strategy == "elastic" else "auto"
+    make_trainer([freeze], max_epochs=2, strategy=chosen).fit(BuiltInConfigureModel(), tm.task_loader("bert", size=16))
+    assert freeze.split.path == "model.bert.encoder.layer" and freeze.frozen_blocks == 3
+
+
 def test_explicit_blocks_path_is_used():
     module = seq_module()
     # ``model.blocks`` holds 4 blocks; a smaller, explicit list of 2 Linear layers takes precedence.

@@ -14,7 +14,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStr
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 
-from lightning_pipetx.blocks import BlockSplit, find_blocks
+from lightning_pipetx.blocks import BlockListNotFoundError, BlockSplit, find_blocks
 from lightning_pipetx.callbacks.block_norms import BlockGradientNorms
 from lightning_pipetx.callbacks.freeze_context import (
     agreed_block_path,
@@ -149,7 +149,16 @@ class FreezeCallback(Callback):
                 f"cannot change requires_grad after wrapping. Use a single device, DDPStrategy or "
                 f"ElasticPipelineStrategy."
             )
-        self._split = find_blocks(pl_module, agreed_block_path(self.blocks, trainer.strategy))
+        try:
+            self._split = find_blocks(pl_module, agreed_block_path(self.blocks, trainer.strategy))
+        except BlockListNotFoundError:
+            if type(pl_module).configure_model is pl.LightningModule.configure_model:
+                raise
+            self._split = None  # built in configure_model, which Lightning calls after this hook
+            return
+        self._check_split()
+
+    def _check_split(self) -> None:
         self._apply_trace()
         if self.frozen_blocks == 0 and not any(p.requires_grad for p in self._split.blocks.parameters()):
             raise ValueError(
@@ -176,6 +185,9 @@ class FreezeCallback(Callback):
             self._pre_weights, self._post_weights = None, []
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._split is None:  # the model was built in configure_model
+            self._split = find_blocks(pl_module, agreed_block_path(self.blocks, trainer.strategy))
+            self._check_split()
         if not isinstance(trainer.strategy, ElasticPipelineStrategy):
             return
         pipelined = trainer.strategy.block_path  # found at its set-up, which follows this callback's
