@@ -126,6 +126,17 @@ def _is_block_list(module: nn.Module) -> bool:
     return all(type(child) is first for child in children) and any(True for _ in children[0].parameters())
 
 
+def block_lists_in_pre(split: BlockSplit) -> list[str]:
+    """Paths of other block lists inside ``split``'s ``pre`` (an encoder-decoder's encoder when
+    the decoder's layers are the blocks): they freeze whole with the first frozen block."""
+    return [
+        f"{name}.{inner}" if inner else name
+        for name, module in split.pre
+        for inner, child in module.named_modules()
+        if _is_block_list(child)
+    ]
+
+
 def _num_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 

@@ -970,3 +970,10 @@ def test_lightning_ddp_keeps_working_after_a_freeze(tmp_path):
     for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
         assert a.keys() == b.keys()
         assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_another_block_list_in_the_prefix_is_named_in_a_warning():
+    # T5's decoder blocks are the block list: its encoder is part of their prefix.
+    trainer = make_trainer([], max_epochs=1)
+    with pytest.warns(UserWarning, match="the block list 'model.encoder.block', registered before them"):
+        FreezeCallback().setup(trainer, tm.build_task("t5"), "fit")

@@ -12,9 +12,10 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 
-from lightning_pipetx.blocks import BlockListNotFoundError, BlockSplit, find_blocks
+from lightning_pipetx.blocks import BlockListNotFoundError, BlockSplit, block_lists_in_pre, find_blocks
 from lightning_pipetx.callbacks.block_norms import BlockGradientNorms
 from lightning_pipetx.callbacks.freeze_context import (
     agreed_block_path,
@@ -160,6 +161,12 @@ class FreezeCallback(Callback):
 
     def _check_split(self) -> None:
         self._apply_trace()
+        for path in block_lists_in_pre(self._split):
+            rank_zero_warn(
+                f"FreezeCallback freezes the blocks of {self._split.path!r}; the block list {path!r}, registered "
+                f"before them, is part of their prefix and freezes whole with the first block. Pass blocks='...' to "
+                f"freeze another list."
+            )
         if self.frozen_blocks == 0 and not any(p.requires_grad for p in self._split.blocks.parameters()):
             raise ValueError(
                 f"FreezeCallback: no weight of the blocks {self._split.path!r} trains (requires_grad=False "
