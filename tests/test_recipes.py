@@ -60,6 +60,11 @@ def test_shape_based_parameter_groups_survive_a_transition_and_resume_without_th
     assert trainer.current_epoch == 4 and trainer.global_step == 16
 
 
+def _raised_on_both_ranks(output, error):
+    for rank in (0, 1):
+        assert f"[rank{rank}]: {error}: " in output
+
+
 def _reports(out, mode):
     return [json.loads((out / f"{mode}_rank{rank}.json").read_text()) for rank in (0, 1)]
 
@@ -95,8 +100,7 @@ def test_fp16_loss_scaling_agrees_across_stages(mode, tmp_path):
 def test_fp16_with_a_fused_optimizer_under_a_pipeline_is_refused(tmp_path):
     # Each stage would check only its own gradients for an overflow inside the fused step.
     output = run_workers("recipes_worker.py", 2, str(tmp_path), "fp16_fused", expect_failure=True)
-    for rank in (0, 1):
-        assert f"[rank{rank}]: lightning_pipetx.strategy.loss_scaling.OverflowAgreementError: " in output
+    _raised_on_both_ranks(output, "lightning_pipetx.strategy.loss_scaling.OverflowAgreementError")
     assert "AdamW(fused=True) under a 2-stage pipeline" in output and "precision='bf16-mixed'" in output
 
 
@@ -117,24 +121,21 @@ def test_clipping_by_norm_with_a_fused_optimizer_under_fp16_is_refused_as_plain_
 def test_validation_on_a_clock_is_refused_on_several_processes(tmp_path):
     # Lightning decides on each rank's clock: the ranks would validate after different steps.
     output = run_workers("recipes_worker.py", 2, str(tmp_path), "timed_validation", expect_failure=True)
-    for rank in (0, 1):
-        assert f"[rank{rank}]: lightning_pipetx.strategy.model_checks.UnsupportedRecipeError: " in output
+    _raised_on_both_ranks(output, "lightning_pipetx.strategy.model_checks.UnsupportedRecipeError")
     assert "val_check_interval=<a time>, 1 s) on 2 processes" in output and "Pass an int" in output
 
 
 def test_learning_rates_that_differ_between_ranks_stop_the_run(tmp_path):
     # A plateau schedule reading a value each rank logged on its own: the ranks would train apart.
     output = run_workers("recipes_worker.py", 2, str(tmp_path), "plateau", expect_failure=True)
-    for rank in (0, 1):
-        assert f"[rank{rank}]: lightning_pipetx.strategy.model_checks.UnsupportedRecipeError: " in output
+    _raised_on_both_ranks(output, "lightning_pipetx.strategy.model_checks.UnsupportedRecipeError")
     assert "learning rate of parameter group 0 differs between ranks (0.0001 to 0.001)" in output
     assert "sync_dist=True" in output
 
 
 def test_a_model_that_drops_blocks_at_random_is_refused_under_a_pipeline(tmp_path):
     output = run_workers("recipes_worker.py", 2, str(tmp_path), "layerdrop", expect_failure=True)
-    for rank in (0, 1):
-        assert f"[rank{rank}]: lightning_pipetx.strategy.model_checks.UnsupportedRecipeError: " in output
+    _raised_on_both_ranks(output, "lightning_pipetx.strategy.model_checks.UnsupportedRecipeError")
     assert "BertForSequenceClassification.config.layerdrop=0.1 under a 2-stage pipeline" in output
 
 
@@ -162,8 +163,7 @@ def test_blocks_that_run_more_than_once_per_forward_are_refused_under_a_pipeline
 
 def test_a_block_list_holding_one_module_several_times_is_refused_under_a_pipeline(tmp_path):
     output = run_workers("recipes_worker.py", 2, str(tmp_path), "shared_list", expect_failure=True)
-    for rank in (0, 1):
-        assert f"[rank{rank}]: lightning_pipetx.strategy.model_checks.UnsupportedRecipeError: " in output
+    _raised_on_both_ranks(output, "lightning_pipetx.strategy.model_checks.UnsupportedRecipeError")
     assert "the weight 'model.bert.encoder.layer.1.attention.self.query.weight' is shared with block 0" in output
 
 
@@ -190,8 +190,7 @@ def test_checkpointing_around_the_blocks_fails_with_an_explanation_under_a_pipel
 def test_weight_averaging_under_a_pipeline_is_refused(tmp_path):
     # EMA averages every weight after each step; a rank holds only its stage's blocks.
     output = run_workers("recipes_worker.py", 2, str(tmp_path), "ema", expect_failure=True)
-    for rank in (0, 1):
-        assert f"[rank{rank}]: lightning_pipetx.strategy.lightning_compat.WeightAveragingError: " in output
+    _raised_on_both_ranks(output, "lightning_pipetx.strategy.lightning_compat.WeightAveragingError")
     assert "EMAWeightAveraging under a 2-stage pipeline" in output and "pipeline_length=1" in output
 
 
