@@ -2,9 +2,9 @@
 
 A Transformer is seen as ``pre`` (everything that runs before block 0: embeddings, patch
 embedding, class tokens), the block list ``blocks[0..L)``, and ``post`` (final norm, pooler,
-head). The block list is the container with the most trainable parameters (then the most
-parameters) among the ``nn.ModuleList``/``nn.Sequential`` modules whose children (two or more)
-all have one type; a dotted path overrides the search.
+head). The block list is the container with the most parameters among the
+``nn.ModuleList``/``nn.Sequential`` modules whose children (two or more) all have one type and
+one of which trains (else among all such); a dotted path overrides the search.
 
 ``pre`` and ``post`` are decided by position in the module tree: along the chain of modules
 from the root down to the block list, children registered before the chain's next link are
@@ -96,9 +96,10 @@ class BlockSplit:
         """``pre`` modules and blocks ``[0, num_frozen)``: what freezing ``num_frozen`` blocks covers."""
         if num_frozen <= 0:
             return []
-        return [m for _, m in self.pre if self._runs_before_blocks(m)] + [self.blocks[i] for i in range(num_frozen)]
+        return [m for _, m in self.pre if self.runs_before_blocks(m)] + [self.blocks[i] for i in range(num_frozen)]
 
-    def _runs_before_blocks(self, module: nn.Module) -> bool:
+    def runs_before_blocks(self, module: nn.Module) -> bool:
+        """Whether ``module`` (of ``pre``) has no weights, or one not found to feed no block."""
         params, after = list(module.parameters()), {id(p) for _, p in self.post_by_use}
         return not params or not all(id(p) in after for p in params)
 
@@ -133,7 +134,7 @@ def block_lists_in_pre(split: BlockSplit) -> list[str]:
         f"{name}.{inner}" if inner else name
         for name, module in split.pre
         for inner, child in module.named_modules()
-        if _is_block_list(child)
+        if _is_block_list(child) and split.runs_before_blocks(child)
     ]
 
 
@@ -142,15 +143,15 @@ def _num_params(module: nn.Module) -> int:
 
 
 def _find_block_path(root: nn.Module) -> str | None:
-    best: tuple[int, int, int, int] | None = None
+    best: tuple[bool, int, int, int] | None = None
     best_path = None
     for name, module in root.named_modules():
         if not name or not _is_block_list(module):
             continue
-        # Most trainable parameters wins (a frozen teacher's blocks lose to its student's); then
-        # most parameters; then more blocks; then the shallower path.
-        trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
-        key = (trainable, _num_params(module), len(module), -name.count("."))
+        # A list that trains wins over one that does not (a frozen teacher's blocks lose to its
+        # student's); then most parameters; then more blocks; then the shallower path.
+        trains = any(p.requires_grad for p in module.parameters())
+        key = (trains, _num_params(module), len(module), -name.count("."))
         if best is None or key > best:
             best, best_path = key, name
     return best_path

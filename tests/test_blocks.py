@@ -298,3 +298,13 @@ def test_split_is_frozen_dataclass_and_does_not_touch_the_model():
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert flags == [p.requires_grad for p in model.parameters()]
     assert model.training
+
+
+def test_the_backbone_is_the_block_list_when_only_adapters_in_it_train():
+    # LoRA-style: the base weights are frozen, small adapters train; multi-task heads train too.
+    model = tm.tiny_bert(seed=0, dropout=0.0)
+    model.requires_grad_(False)
+    for layer in model.bert.encoder.layer:
+        layer.adapter = torch.nn.Linear(2, 2)
+    model.heads = torch.nn.ModuleList([torch.nn.Linear(tm.HIDDEN, 8), torch.nn.Linear(tm.HIDDEN, 8)])
+    assert find_blocks(model).path == "bert.encoder.layer"

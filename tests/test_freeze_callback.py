@@ -973,7 +973,18 @@ def test_lightning_ddp_keeps_working_after_a_freeze(tmp_path):
 
 
 def test_another_block_list_in_the_prefix_is_named_in_a_warning():
-    # T5's decoder blocks are the block list: its encoder is part of their prefix.
-    trainer = make_trainer([], max_epochs=1)
+    # T5's decoder blocks are the block list: its encoder is part of their prefix (named once the
+    # first step showed that it feeds the blocks).
+    trainer = make_trainer([FreezeCallback()], max_epochs=1, max_steps=1)
     with pytest.warns(UserWarning, match="the block list 'model.encoder.block', registered before them"):
-        FreezeCallback().setup(trainer, tm.build_task("t5"), "fit")
+        trainer.fit(tm.build_task("t5"), tm.task_loader("t5", size=8))
+
+
+def test_a_frozen_model_validates_and_predicts_with_the_callback():
+    # model.freeze() before inference, with the Trainer the run was built with.
+    module = tm.TinyBertClassifier(seed=0, dropout=0.0)
+    module.freeze()
+    trainer = make_trainer([FreezeCallback()], max_epochs=1)
+    loader = tm.task_loader("bert", size=8)
+    assert "val_acc" in trainer.validate(module, loader, verbose=False)[0]
+    assert len(trainer.predict(module, loader)) == 1

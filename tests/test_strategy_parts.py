@@ -381,7 +381,7 @@ def test_the_last_stage_sync_stays_with_the_run_and_leaves_metrics_as_they_were(
     sync.install(module)
     installed = module.acc.dist_sync_fn
     assert callable(installed) and module.own.dist_sync_fn is gather_all_tensors
-    assert copy.deepcopy(module).acc.dist_sync_fn is installed  # a copy made during fit: not the strategy's
+    assert copy.deepcopy(module).acc.dist_sync_fn is installed  # a copy made during fit shares it, no strategy copy
     assert pickle.loads(pickle.dumps(module.acc)).dist_sync_fn is gather_all_tensors
     sync.remove()
     assert module.acc.dist_sync_fn is None and module.own.dist_sync_fn is gather_all_tensors
@@ -404,3 +404,25 @@ def test_a_block_weight_tied_to_the_head_is_refused_under_a_pipeline_only():
         UnsupportedRecipeError, match="'tied_head.weight' is shared with block 3 of 'bert.encoder.layer'"
     ):
         refuse_shared_block_weights(module, "bert.encoder.layer", blocks, pipeline_length=2)
+
+
+def test_a_second_name_for_the_backbone_is_not_a_shared_weight():
+    # self.encoder = self.model.bert.encoder, say for layer-wise learning rates.
+    from lightning_pipetx.strategy.model_checks import refuse_shared_block_weights
+
+    module = torch.nn.Module()
+    module.model = build_model("bert")
+    module.encoder = module.model.bert.encoder
+    refuse_shared_block_weights(module, "model.bert.encoder.layer", module.model.bert.encoder.layer, pipeline_length=2)
+
+
+def test_only_the_model_holding_the_blocks_is_checked_for_dropping_blocks():
+    from lightning_pipetx.strategy.model_checks import block_dropping
+
+    module = torch.nn.Module()
+    module.student, module.teacher = build_model("bert"), build_model("bert")
+    module.teacher.config.layerdrop = 0.1  # a frozen teacher in eval mode never drops blocks
+    assert block_dropping(module, module.student.bert.encoder.layer) == []
+    assert block_dropping(module, module.teacher.bert.encoder.layer) == [
+        ("BertForSequenceClassification", "layerdrop", 0.1)
+    ]

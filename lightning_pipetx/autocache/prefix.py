@@ -56,8 +56,7 @@ class CachedPrefix:
             raise ValueError(f"ElasticPipelineStrategy(cache=True): {reason}. Pass cache=False (or cache='auto').")
         self.cache.disable(reason + ".")
 
-    def _refuse_output(self, error: Exception) -> None:
-        reason = f"the frozen prefix's last block returns what cannot be kept ({error})"
+    def _refuse_output(self, reason: str) -> None:
         if self.cache.force:
             raise ValueError(f"ElasticPipelineStrategy(cache=True): {reason}. Pass cache=False (or cache='auto').")
         self.cache.disable(reason)
@@ -126,7 +125,7 @@ class CachedPrefix:
             captured_state = hooks.captured
             hooks.skip_until, hooks.capture_at, hooks.captured = 0, -1, None
             hooks.on_first_block = hooks.on_capture = hooks.on_prefix_input = hooks.on_uncacheable = None
-            if captured_state is not None:
+            if captured_state is not None and cache.enabled:
                 cache.store(indices, depth, captured_state)
 
 

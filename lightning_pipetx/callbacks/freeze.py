@@ -157,17 +157,12 @@ class FreezeCallback(Callback):
                 raise
             self._split = None  # built in configure_model, which Lightning calls after this hook
             return
-        self._check_split()
+        self._check_split(fitting=stage == "fit")
 
-    def _check_split(self) -> None:
+    def _check_split(self, fitting: bool) -> None:
         self._apply_trace()
-        for path in block_lists_in_pre(self._split):
-            rank_zero_warn(
-                f"FreezeCallback freezes the blocks of {self._split.path!r}; the block list {path!r}, registered "
-                f"before them, is part of their prefix and freezes whole with the first block. Pass blocks='...' to "
-                f"freeze another list."
-            )
-        if self.frozen_blocks == 0 and not any(p.requires_grad for p in self._split.blocks.parameters()):
+        trains = any(p.requires_grad for p in self._split.blocks.parameters())
+        if fitting and self.frozen_blocks == 0 and not trains:  # model.freeze() before validate or predict is fine
             raise ValueError(
                 f"FreezeCallback: no weight of the blocks {self._split.path!r} trains (requires_grad=False "
                 f"everywhere), so there is nothing to freeze. Pass blocks='...' naming the block list you train."
@@ -194,7 +189,7 @@ class FreezeCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._split is None:  # the model was built in configure_model
             self._split = find_blocks(pl_module, agreed_block_path(self.blocks, trainer.strategy))
-            self._check_split()
+            self._check_split(fitting=True)
         if not isinstance(trainer.strategy, ElasticPipelineStrategy):
             return
         pipelined = trainer.strategy.block_path  # found at its set-up, which follows this callback's
@@ -245,6 +240,12 @@ class FreezeCallback(Callback):
         feeds = all_reduce_max(trace.feeds_blocks.to(torch.float64)) if trace.pre_names_registered else None
         self._pre_weights, self._post_weights = trace.pre_names(reads), trace.post_names(feeds)
         self._apply_trace()
+        for path in block_lists_in_pre(self.split):
+            rank_zero_warn(
+                f"FreezeCallback freezes the blocks of {self.split.path!r}; the block list {path!r}, registered "
+                f"before them, is part of their prefix and freezes whole with the first block. Pass blocks='...' to "
+                f"freeze another list."
+            )
         if self._pre_weights and trainer.is_global_zero:
             log.info("pipetx: %s, read only before the blocks, freeze with them", ", ".join(self._pre_weights))
         if self._post_weights and trainer.is_global_zero:

@@ -49,6 +49,7 @@ from lightning_pipetx.strategy.model_checks import (
     refuse_diverging_learning_rates,
     refuse_manual_optimization,
     refuse_shared_block_weights,
+    refuse_shared_layers,
     refuse_unconverted_batch_norms,
 )
 from lightning_pipetx.strategy.options import check_arguments
@@ -292,6 +293,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         # for an LR schedule): it is sharded by replica and recorded for AutoCache as it is built, so
         # that Lightning keeps it (building it again would draw another seed from the user's stream).
         self._layout0 = plan.layout
+        refuse_shared_layers(self.lightning_module, self._split.blocks, plan.layout.pipeline_length)
         refuse_shared_block_weights(
             self.lightning_module, self._split.path, self._split.blocks, plan.layout.pipeline_length
         )
@@ -304,7 +306,7 @@ class ElasticPipelineStrategy(DDPStrategy):
             refuse_unagreed_overflow(self.optimizers, scaler, plan.layout.pipeline_length)
             refuse_weight_averaging(trainer.callbacks, plan.layout.pipeline_length)
             refuse_time_based_validation(trainer, self.world_size)
-            dropping = block_dropping(self.lightning_module)
+            dropping = block_dropping(self.lightning_module, self._split.blocks)
             refuse_block_dropping(dropping, plan.layout.pipeline_length)
             if dropping:
                 model, key, value = dropping[0]

@@ -100,9 +100,13 @@ def refuse_shared_block_weights(root: nn.Module, path: str, blocks: nn.Module, p
         for name, param in block.named_parameters():
             if owner.setdefault(id(param), index) != index:
                 _refuse_shared(f"{path}.{index}.{name}", f"block {owner[id(param)]}", pipeline_length)
-    for name, param in root.named_parameters(remove_duplicate=False):
-        if id(param) in owner and not name.startswith(path + "."):
-            _refuse_shared(name, f"block {owner[id(param)]} of {path!r}", pipeline_length)
+    in_blocks = {id(module) for block in blocks for module in block.modules()}
+    for module_name, module in root.named_modules():  # each module once, under its first name
+        if id(module) in in_blocks:
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in owner:
+                _refuse_shared(f"{module_name}.{name}", f"block {owner[id(param)]} of {path!r}", pipeline_length)
 
 
 def _refuse_shared(name: str, other: str, pipeline_length: int) -> None:
@@ -113,19 +117,39 @@ def _refuse_shared(name: str, other: str, pipeline_length: int) -> None:
     )
 
 
-def block_dropping(root: nn.Module) -> list[tuple[str, str, float]]:
-    """``(model class, config field, probability)`` of each Hugging Face model inside ``root``
-    that drops whole blocks at random in training (``layerdrop``, ``encoder_layerdrop``, ...:
+def _models_holding(root: nn.Module, blocks: nn.Module) -> list[nn.Module]:
+    """The Hugging Face models inside ``root`` whose modules include ``blocks`` (not a teacher's)."""
+    return [m for m in root.modules() if _is_hf_model(m) and any(child is blocks for child in m.modules())]
+
+
+def block_dropping(root: nn.Module, blocks: nn.Module) -> list[tuple[str, str, float]]:
+    """``(model class, config field, probability)`` of the Hugging Face model holding ``blocks``
+    when it drops whole blocks at random in training (``layerdrop``, ``encoder_layerdrop``, ...:
     Wav2Vec2, HuBERT, BART)."""
-    found, seen = [], set()
-    for module in root.modules():
-        if not _is_hf_model(module) or id(module.config) in seen:
-            continue
-        seen.add(id(module.config))
-        for key, value in module.config.to_dict().items():
+    found = []
+    for model in _models_holding(root, blocks)[:1]:  # the outermost: they share one config
+        for key, value in model.config.to_dict().items():
             if key.endswith("layerdrop") and isinstance(value, (int, float)) and value > 0:
-                found.append((type(module).__name__, key, float(value)))
+                found.append((type(model).__name__, key, float(value)))
     return found
+
+
+def refuse_shared_layers(root: nn.Module, blocks: nn.Module, pipeline_length: int) -> None:
+    """Refuse, under a pipeline, ALBERT whose layers share the weights of fewer layer groups or
+    run several inner layers per group: each block would run more than once per call."""
+    for model in _models_holding(root, blocks)[:1]:
+        config = model.config
+        groups, layers = getattr(config, "num_hidden_groups", None), getattr(config, "num_hidden_layers", None)
+        if (
+            pipeline_length > 1
+            and groups is not None
+            and (groups < layers or getattr(config, "inner_group_num", 1) > 1)
+        ):
+            raise UnsupportedRecipeError(
+                f"{type(model).__name__} with num_hidden_groups={groups} for {layers} layers (inner_group_num="
+                f"{getattr(config, 'inner_group_num', 1)}) under a {pipeline_length}-stage pipeline: its layers share "
+                f"weights, so a block runs more than once per call. Pass ElasticPipelineStrategy(pipeline_length=1)."
+            )
 
 
 def refuse_block_dropping(settings: list[tuple[str, str, float]], pipeline_length: int) -> None:
@@ -180,8 +204,11 @@ def refuse_diverging_learning_rates(optimizers: list[torch.optim.Optimizer], dev
     or the stages of one, would train apart. A ``ReduceLROnPlateau`` that monitors a value each
     rank computes on its own data (logged without ``sync_dist=True``) steps differently on each
     replica, as under DDP; here it starts when a transition adds replicas."""
-    rates = [float(group["lr"]) for optimizer in optimizers for group in optimizer.param_groups]
-    if not rates or not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    # A group without a number (Adafactor's lr=None with relative_step) counts as 0 everywhere.
+    rates = [_number(group.get("lr")) for optimizer in optimizers for group in optimizer.param_groups]
+    if not rates:
         return
     local = torch.tensor(rates, dtype=torch.float64, device=device)
     bounds = torch.cat([local, -local])
@@ -195,3 +222,10 @@ def refuse_diverging_learning_rates(optimizers: list[torch.optim.Optimizer], dev
                 f"computes on its own data, logged without sync_dist=True, steps differently on each replica. Log "
                 f"the value it monitors with self.log(..., sync_dist=True)."
             )
+
+
+def _number(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return 0.0

@@ -81,19 +81,32 @@ class StageHooks:
         self.captured: Activation | None = None
         self.on_first_block: Callable[[], None] | None = None  # AutoCache times the prefix it computes
         self.on_capture: Callable[[], None] | None = None
-        self.on_uncacheable: Callable[[Exception], None] | None = None  # the captured output cannot be kept
+        self.on_uncacheable: Callable[[str], None] | None = None  # why the micro-batch's prefix cannot be cached
         self.on_prefix_input: Callable[[torch.Tensor], None] | None = None  # block 0's hidden state, for AutoCache
-        self.called: list[int] = []  # the blocks called since the stage runner cleared it
+        # The blocks called in the current model call, while the stage runner counts them.
+        self.called: list[int] | None = None
         self._saved: dict[int, Any] = {}
+        self._call_hook: Any = None
 
-    def install(self) -> None:
+    def install(self, model_call: nn.Module | None = None) -> None:
+        """Override the blocks' forwards; ``model_call``: the module whose call starts a model call
+        (the first module on the way from the LightningModule to the blocks)."""
+        if model_call is not None and model_call is not self.blocks:
+            self._call_hook = model_call.register_forward_pre_hook(self._begin_model_call)
         for index, block in enumerate(self.blocks):
             original = block.forward
             first_arg = next(iter(inspect.signature(original).parameters), None)
             self._saved[index] = block.__dict__.get("forward")
             block.forward = functools.partial(self._forward, index, original, first_arg)
 
+    def _begin_model_call(self, *_: Any) -> None:
+        if self.called is not None:
+            self.called = []
+
     def remove(self) -> None:
+        if self._call_hook is not None:
+            self._call_hook.remove()
+            self._call_hook = None
         for index, block in enumerate(self.blocks):
             saved = self._saved.pop(index, None)
             if saved is None:
@@ -102,7 +115,8 @@ class StageHooks:
                 block.forward = saved
 
     def _forward(self, index: int, original: Callable, first_arg: str | None, *args: Any, **kwargs: Any) -> Any:
-        self.called.append(index)
+        if self.called is not None:
+            self.called.append(index)
         if index == 0 and self.on_prefix_input is not None:
             hidden = args[0] if args else kwargs.get(first_arg)
             if isinstance(hidden, torch.Tensor):
@@ -137,7 +151,7 @@ class StageHooks:
         except BoundaryError as error:  # for AutoCache, which cannot keep it: not a stage boundary
             if self.on_uncacheable is None or (self.capture_at == self.end - 1 and not self.is_last_stage):
                 raise
-            self.on_uncacheable(error)
+            self.on_uncacheable(f"the frozen prefix's last block returns what cannot be kept ({error})")
             return
         if self.on_capture is not None:
             self.on_capture()
@@ -165,15 +179,14 @@ def _replace_first_input(
     return args, {**kwargs, first_arg: value}
 
 
-def refuse_repeated_blocks(called: list[int], pipelined: bool, caching: bool) -> None:
-    """Refuse a forward that called a block more than once (``called``: the blocks in call
-    order) under a pipeline or while AutoCache skips or captures blocks: ALBERT reuses its
-    layers' weights so, and a whole list of one module calls it under every index."""
-    if len(set(called)) == len(called) or not (pipelined or caching):
-        return
+def repeated_block(called: list[int]) -> str | None:
+    """Why a model call that ran the blocks ``called`` (in call order) cannot be split into
+    stages or cached, or None when it ran each block at most once."""
+    if len(set(called)) == len(called):
+        return None
     repeated = next(i for i in called if called.count(i) > 1)
-    raise RuntimeError(
-        f"block {repeated} ran {called.count(repeated)} times in one forward (the model reuses a block's weights, "
-        f"as ALBERT does, or its block list holds one module several times): a pipeline stage or a cached prefix "
-        f"needs every block to run once. Pass ElasticPipelineStrategy(pipeline_length=1, cache=False)."
+    return (
+        f"block {repeated} ran {called.count(repeated)} times in one model call (the model reuses a block's weights, "
+        f"as ALBERT does, or its block list holds one module several times): a pipeline stage and a cached prefix "
+        f"need every block to run once per call"
     )

@@ -35,7 +35,7 @@ from lightning_pipetx.strategy.p2p import (
     empty_header,
     stand_in_sends,
 )
-from lightning_pipetx.strategy.stage_hooks import StageExit, StageHooks, refuse_repeated_blocks
+from lightning_pipetx.strategy.stage_hooks import StageExit, StageHooks, repeated_block
 from lightning_pipetx.strategy.topology import Topology
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -271,8 +271,14 @@ class StageRunner:
 
     def _check_calls(self) -> None:
         hooks = self.hooks
-        caching = hooks.skip_until > 0 or hooks.capture_at >= 0
-        refuse_repeated_blocks(hooks.called, self.topology.pipeline_length > 1, caching)
+        reason = repeated_block(hooks.called or [])
+        hooks.called = None
+        if reason is None:
+            return
+        if self.topology.pipeline_length > 1:
+            raise RuntimeError(f"{reason}. Pass ElasticPipelineStrategy(pipeline_length=1, cache=False).")
+        if hooks.on_uncacheable is not None:  # AutoCache skips or captures blocks of this micro-batch
+            hooks.on_uncacheable(reason)
 
     # ----------------------------------------------------------- backward
     def _backward(self, flight: _InFlight, loss_weight: float, grads: list[torch.Tensor]) -> list:

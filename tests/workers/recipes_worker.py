@@ -115,9 +115,7 @@ def main() -> None:
     length = 1 if mode == "fp16_fused_replicas" else 2
     # The refused outputs are refused on the first stage only (the last one waits for its hidden
     # state): the ranks agree on the failure within a third of this timeout.
-    timeout = timedelta(
-        seconds=30 if mode in ("hidden_states", "intermediates", "albert", "timm_checkpointing") else 1800
-    )
+    timeout = timedelta(seconds=30 if mode in ("hidden_states", "intermediates", "timm_checkpointing") else 1800)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
