@@ -3,8 +3,9 @@
 A Transformer is seen as ``pre`` (everything that runs before block 0: embeddings, patch
 embedding, class tokens), the block list ``blocks[0..L)``, and ``post`` (final norm, pooler,
 head). The block list is the container with the most parameters among the
-``nn.ModuleList``/``nn.Sequential`` modules whose children (two or more) all have one type and
-one of which trains (else among all such); a dotted path overrides the search.
+``nn.ModuleList``/``nn.Sequential`` modules whose children (two or more) all have one type,
+preferring children made of modules (not a list of ``nn.Linear`` heads) and a list that trains
+(not a frozen teacher's); a dotted path overrides the search.
 
 ``pre`` and ``post`` are decided by position in the module tree: along the chain of modules
 from the root down to the block list, children registered before the chain's next link are
@@ -134,7 +135,9 @@ def block_lists_in_pre(split: BlockSplit) -> list[str]:
         f"{name}.{inner}" if inner else name
         for name, module in split.pre
         for inner, child in module.named_modules()
-        if _is_block_list(child) and split.runs_before_blocks(child)
+        if _is_block_list(child)
+        and split.runs_before_blocks(child)
+        and any(p.requires_grad for p in child.parameters())
     ]
 
 
@@ -143,15 +146,17 @@ def _num_params(module: nn.Module) -> int:
 
 
 def _find_block_path(root: nn.Module) -> str | None:
-    best: tuple[bool, int, int, int] | None = None
+    best: tuple[bool, bool, int, int, int] | None = None
     best_path = None
     for name, module in root.named_modules():
         if not name or not _is_block_list(module):
             continue
-        # A list that trains wins over one that does not (a frozen teacher's blocks lose to its
-        # student's); then most parameters; then more blocks; then the shallower path.
+        # Blocks are modules of modules (a list of Linear heads is not); then a list that trains
+        # wins over one that does not (a frozen teacher's blocks lose to its student's); then most
+        # parameters; then more blocks; then the shallower path.
+        composite = any(True for _ in module[0].children())
         trains = any(p.requires_grad for p in module.parameters())
-        key = (trains, _num_params(module), len(module), -name.count("."))
+        key = (composite, trains, _num_params(module), len(module), -name.count("."))
         if best is None or key > best:
             best, best_path = key, name
     return best_path

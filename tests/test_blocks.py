@@ -308,3 +308,23 @@ def test_the_backbone_is_the_block_list_when_only_adapters_in_it_train():
         layer.adapter = torch.nn.Linear(2, 2)
     model.heads = torch.nn.ModuleList([torch.nn.Linear(tm.HIDDEN, 8), torch.nn.Linear(tm.HIDDEN, 8)])
     assert find_blocks(model).path == "bert.encoder.layer"
+
+
+def test_a_frozen_backbone_is_the_block_list_beside_trainable_linear_heads():
+    # Linear probing: the heads are a list of Linear layers, not of blocks.
+    model = tm.tiny_bert(seed=0, dropout=0.0)
+    model.requires_grad_(False)
+    model.heads = torch.nn.ModuleList([torch.nn.Linear(tm.HIDDEN, 8), torch.nn.Linear(tm.HIDDEN, 8)])
+    assert find_blocks(model).path == "bert.encoder.layer"
+
+
+def test_a_frozen_block_list_in_the_prefix_is_not_named():
+    from lightning_pipetx.blocks import block_lists_in_pre
+
+    root = torch.nn.Module()
+    root.teacher = tm.tiny_bert(seed=1, dropout=0.0).requires_grad_(False)  # registered before the student
+    root.student = tm.tiny_bert(seed=0, dropout=0.0)
+    split = find_blocks(root, "student.bert.encoder.layer")
+    assert block_lists_in_pre(split) == []
+    root.teacher.requires_grad_(True)
+    assert block_lists_in_pre(split) == ["teacher.bert.encoder.layer"]

@@ -353,7 +353,7 @@ class TwoBlockLists(pl.LightningModule):
         torch.manual_seed(0)
         self.embed = nn.Linear(8, 16)
         self.blocks = nn.ModuleList([tm.ResidualMLPBlock(16, dropout=0.0) for _ in range(4)])
-        self.heads = nn.ModuleList([nn.Linear(16, 256) for _ in range(3)])
+        self.heads = nn.ModuleList([nn.Sequential(nn.Linear(16, 256), nn.GELU()) for _ in range(3)])
         self.out = nn.Linear(3 * 256, 2)
 
     def forward(self, x):

@@ -169,19 +169,19 @@ def test_a_block_list_holding_one_module_several_times_is_refused_under_a_pipeli
 
 
 @pytest.mark.parametrize("cache", [False, True, "auto"])
-def test_blocks_that_run_more_than_once_per_model_call_are_not_cached(cache, caplog):
+def test_blocks_that_run_more_than_once_per_step_are_not_cached(cache, caplog):
     # One device: freezing alone is exact; a cached prefix would stand for every run of a block.
     module, rates = albert_module(), tm.HitRates()
     freeze = FreezeCallback(alpha=1 / 2, signal="schedule")
     trainer = tm.make_trainer([freeze, rates], max_epochs=3, strategy=ElasticPipelineStrategy(cache=cache))
     if cache is True:
-        with pytest.raises(ValueError, match="block 0 ran 2 times in one model call"):
+        with pytest.raises(ValueError, match="block 0 ran 2 times in one training step on different inputs"):
             trainer.fit(module, recipes_loader(8))
         return
     with caplog.at_level("WARNING", logger="lightning_pipetx"):
         trainer.fit(module, recipes_loader(8))
     assert freeze.frozen_blocks == 1 and trainer.global_step == 12 and not any(rates.rates)
-    assert ("block 0 ran 2 times in one model call" in caplog.text) == (cache == "auto")
+    assert ("block 0 ran 2 times in one training step on different inputs" in caplog.text) == (cache == "auto")
 
 
 def test_a_model_called_twice_per_step_is_still_cached():
@@ -372,6 +372,33 @@ def test_training_metrics_of_any_state_give_the_epoch_value_of_every_replicas_sa
         for report in reports:
             assert report["values"]["train_auroc"][epoch] == pytest.approx(auroc, abs=1e-6)
             assert report["values"]["summed_loss"][epoch] == pytest.approx(summed_loss, rel=1e-6)
+
+
+@pytest.mark.parametrize("cache", ["auto", True])
+def test_a_model_called_on_two_inputs_per_step_is_not_cached(cache, caplog):
+    # A bi-encoder: one cached state per sample cannot stand for both calls.
+    module, rates = hook_counting_module(), tm.HitRates()
+
+    def training_step(batch, batch_idx):
+        shifted = {**batch, "input_ids": (batch["input_ids"] + 1) % tm.VOCAB}
+        return (module.model(**batch).loss + module.model(**shifted).loss) / 2
+
+    module.training_step = training_step
+    freeze = FreezeCallback(alpha=1 / 2, signal="schedule")
+    trainer = tm.make_trainer([freeze, rates], max_epochs=4, strategy=ElasticPipelineStrategy(cache=cache))
+    if cache is True:
+        with pytest.raises(ValueError, match="block 0 ran 2 times in one training step on different inputs"):
+            trainer.fit(module, recipes_loader(8))
+        return
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        trainer.fit(module, recipes_loader(8))
+    assert not any(rates.rates) and "block 0 ran 2 times in one training step on different inputs" in caplog.text
+
+
+def test_a_step_that_calls_the_model_twice_is_refused_under_a_pipeline(tmp_path):
+    # The first stage leaves at its boundary in the first call: the second never crosses.
+    output = run_workers("recipes_worker.py", 2, str(tmp_path), "two_calls", expect_failure=True, timeout=120)
+    assert "block 0 ran 2 times in one micro-batch's training_step: the step calls the model more than once" in output
 
 
 def test_an_optimizer_without_a_learning_rate_trains():

@@ -426,3 +426,16 @@ def test_only_the_model_holding_the_blocks_is_checked_for_dropping_blocks():
     assert block_dropping(module, module.teacher.bert.encoder.layer) == [
         ("BertForSequenceClassification", "layerdrop", 0.1)
     ]
+
+
+def test_a_composite_model_is_checked_for_dropping_blocks_by_its_parts_configs():
+    # An encoder-decoder nests its encoder's config: the encoder holding the blocks drops layers.
+    from transformers import BertConfig, BertLMHeadModel, BertModel, EncoderDecoderModel
+
+    from lightning_pipetx.strategy.model_checks import block_dropping
+
+    sizes = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    encoder = BertModel(BertConfig(**sizes, layerdrop=0.1))
+    decoder = BertLMHeadModel(BertConfig(**sizes, is_decoder=True, add_cross_attention=True))
+    model = EncoderDecoderModel(encoder=encoder, decoder=decoder)
+    assert block_dropping(model, model.encoder.encoder.layer) == [("BertModel", "layerdrop", 0.1)]

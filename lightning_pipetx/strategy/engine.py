@@ -60,7 +60,7 @@ class PipelineEngine:
         self.block_range = range(start, end)
 
         self.hooks = StageHooks(split.blocks, start, end, self.topology.is_last_stage)
-        self.hooks.install(module.get_submodule(split.path.split(".")[0]))
+        self.hooks.install()
         self.runner = StageRunner(self.topology, self.hooks, Channel(device, timeout))
         self.relay = OutputRelay(module, split.path, self.topology, self.hooks, self.runner, device)
         if plan.layout.pipeline_length > 1:

@@ -118,8 +118,14 @@ def _refuse_shared(name: str, other: str, pipeline_length: int) -> None:
 
 
 def _models_holding(root: nn.Module, blocks: nn.Module) -> list[nn.Module]:
-    """The Hugging Face models inside ``root`` whose modules include ``blocks`` (not a teacher's)."""
-    return [m for m in root.modules() if _is_hf_model(m) and any(child is blocks for child in m.modules())]
+    """The Hugging Face models inside ``root`` whose modules include ``blocks`` (not a teacher's),
+    one per config (a composite model nests its parts' configs)."""
+    models, configs = [], set()
+    for m in root.modules():
+        if _is_hf_model(m) and id(m.config) not in configs and any(child is blocks for child in m.modules()):
+            configs.add(id(m.config))
+            models.append(m)
+    return models
 
 
 def block_dropping(root: nn.Module, blocks: nn.Module) -> list[tuple[str, str, float]]:
@@ -127,7 +133,7 @@ def block_dropping(root: nn.Module, blocks: nn.Module) -> list[tuple[str, str, f
     when it drops whole blocks at random in training (``layerdrop``, ``encoder_layerdrop``, ...:
     Wav2Vec2, HuBERT, BART)."""
     found = []
-    for model in _models_holding(root, blocks)[:1]:  # the outermost: they share one config
+    for model in _models_holding(root, blocks):
         for key, value in model.config.to_dict().items():
             if key.endswith("layerdrop") and isinstance(value, (int, float)) and value > 0:
                 found.append((type(model).__name__, key, float(value)))
@@ -135,20 +141,15 @@ def block_dropping(root: nn.Module, blocks: nn.Module) -> list[tuple[str, str, f
 
 
 def refuse_shared_layers(root: nn.Module, blocks: nn.Module, pipeline_length: int) -> None:
-    """Refuse, under a pipeline, ALBERT whose layers share the weights of fewer layer groups or
-    run several inner layers per group: each block would run more than once per call."""
-    for model in _models_holding(root, blocks)[:1]:
-        config = model.config
-        groups, layers = getattr(config, "num_hidden_groups", None), getattr(config, "num_hidden_layers", None)
-        if (
-            pipeline_length > 1
-            and groups is not None
-            and (groups < layers or getattr(config, "inner_group_num", 1) > 1)
-        ):
+    """Refuse, under a pipeline, ALBERT whose layers share the weights of fewer layer groups: each
+    block would run more than once per call."""
+    for model in _models_holding(root, blocks):
+        groups, layers = getattr(model.config, "num_hidden_groups", None), getattr(model.config, "num_hidden_layers", 0)
+        if pipeline_length > 1 and groups is not None and groups < layers:
             raise UnsupportedRecipeError(
-                f"{type(model).__name__} with num_hidden_groups={groups} for {layers} layers (inner_group_num="
-                f"{getattr(config, 'inner_group_num', 1)}) under a {pipeline_length}-stage pipeline: its layers share "
-                f"weights, so a block runs more than once per call. Pass ElasticPipelineStrategy(pipeline_length=1)."
+                f"{type(model).__name__} with num_hidden_groups={groups} for {layers} layers under a "
+                f"{pipeline_length}-stage pipeline: its layers share weights, so a block runs more than once per "
+                f"call. Pass ElasticPipelineStrategy(pipeline_length=1)."
             )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import inspect
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -83,30 +84,17 @@ class StageHooks:
         self.on_capture: Callable[[], None] | None = None
         self.on_uncacheable: Callable[[str], None] | None = None  # why the micro-batch's prefix cannot be cached
         self.on_prefix_input: Callable[[torch.Tensor], None] | None = None  # block 0's hidden state, for AutoCache
-        # The blocks called in the current model call, while the stage runner counts them.
-        self.called: list[int] | None = None
+        self.calls: BlockCalls | None = None  # what the current micro-batch's step called, while counted
         self._saved: dict[int, Any] = {}
-        self._call_hook: Any = None
 
-    def install(self, model_call: nn.Module | None = None) -> None:
-        """Override the blocks' forwards; ``model_call``: the module whose call starts a model call
-        (the first module on the way from the LightningModule to the blocks)."""
-        if model_call is not None and model_call is not self.blocks:
-            self._call_hook = model_call.register_forward_pre_hook(self._begin_model_call)
+    def install(self) -> None:
         for index, block in enumerate(self.blocks):
             original = block.forward
             first_arg = next(iter(inspect.signature(original).parameters), None)
             self._saved[index] = block.__dict__.get("forward")
             block.forward = functools.partial(self._forward, index, original, first_arg)
 
-    def _begin_model_call(self, *_: Any) -> None:
-        if self.called is not None:
-            self.called = []
-
     def remove(self) -> None:
-        if self._call_hook is not None:
-            self._call_hook.remove()
-            self._call_hook = None
         for index, block in enumerate(self.blocks):
             saved = self._saved.pop(index, None)
             if saved is None:
@@ -115,8 +103,8 @@ class StageHooks:
                 block.forward = saved
 
     def _forward(self, index: int, original: Callable, first_arg: str | None, *args: Any, **kwargs: Any) -> Any:
-        if self.called is not None:
-            self.called.append(index)
+        if self.calls is not None:
+            self.calls.record(index, args[0] if args else kwargs.get(first_arg))
         if index == 0 and self.on_prefix_input is not None:
             hidden = args[0] if args else kwargs.get(first_arg)
             if isinstance(hidden, torch.Tensor):
@@ -179,14 +167,30 @@ def _replace_first_input(
     return args, {**kwargs, first_arg: value}
 
 
-def repeated_block(called: list[int]) -> str | None:
-    """Why a model call that ran the blocks ``called`` (in call order) cannot be split into
-    stages or cached, or None when it ran each block at most once."""
-    if len(set(called)) == len(called):
-        return None
-    repeated = next(i for i in called if called.count(i) > 1)
-    return (
-        f"block {repeated} ran {called.count(repeated)} times in one model call (the model reuses a block's weights, "
-        f"as ALBERT does, or its block list holds one module several times): a pipeline stage and a cached prefix "
-        f"need every block to run once per call"
-    )
+class BlockCalls:
+    """The blocks one micro-batch's training step called, in order, and what entered block 0."""
+
+    def __init__(self) -> None:
+        self.order: list[int] = []
+        self._block0_inputs: list[Any] = []
+
+    def record(self, index: int, hidden: Any) -> None:
+        self.order.append(index)
+        if index == 0:
+            self._block0_inputs.append(hidden)
+
+    def repeated(self) -> tuple[int, int] | None:
+        """``(block, times)`` of the first block called more than once, or None."""
+        counts = Counter(self.order)
+        return next(((block, n) for block, n in counts.items() if n > 1), None)
+
+    def whole_passes_on_one_input(self) -> bool:
+        """Every block ran as often as block 0, which got the same hidden state each time: the
+        model was called more than once on one input (two dropout views of a batch)."""
+        counts, first = Counter(self.order), self._block0_inputs[0] if self._block0_inputs else None
+        return (
+            isinstance(first, torch.Tensor)
+            and len(set(counts.values())) == 1
+            and len(self._block0_inputs) == counts[0]
+            and all(isinstance(t, torch.Tensor) and torch.equal(t, first) for t in self._block0_inputs[1:])
+        )

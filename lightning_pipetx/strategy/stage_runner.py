@@ -35,7 +35,7 @@ from lightning_pipetx.strategy.p2p import (
     empty_header,
     stand_in_sends,
 )
-from lightning_pipetx.strategy.stage_hooks import StageExit, StageHooks, repeated_block
+from lightning_pipetx.strategy.stage_hooks import BlockCalls, StageExit, StageHooks
 from lightning_pipetx.strategy.topology import Topology
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -249,7 +249,7 @@ class StageRunner:
     ) -> tuple[_InFlight, Activation | None]:
         """Run one micro-batch's forward; returns it in flight and the activation to send on."""
         topo, hooks = self.topology, self.hooks
-        hooks.incoming, hooks.called = incoming, []
+        hooks.incoming, hooks.calls = incoming, BlockCalls()
         try:
             with self.microbatch_context(position):
                 try:
@@ -270,15 +270,25 @@ class StageRunner:
         return _InFlight(incoming, output), None
 
     def _check_calls(self) -> None:
-        hooks = self.hooks
-        reason = repeated_block(hooks.called or [])
-        hooks.called = None
-        if reason is None:
+        """Refuse a step that ran a block more than once under a pipeline (a stage runs its blocks
+        once per micro-batch); keep AutoCache from it unless the model ran whole on one input."""
+        calls, self.hooks.calls = self.hooks.calls, None
+        repeated = calls.repeated() if calls is not None else None
+        if repeated is None:
             return
+        block, times = repeated
         if self.topology.pipeline_length > 1:
-            raise RuntimeError(f"{reason}. Pass ElasticPipelineStrategy(pipeline_length=1, cache=False).")
-        if hooks.on_uncacheable is not None:  # AutoCache skips or captures blocks of this micro-batch
-            hooks.on_uncacheable(reason)
+            raise RuntimeError(
+                f"block {block} ran {times} times in one micro-batch's training_step: the step calls the model more "
+                f"than once (two views of a batch, the model as its own teacher), or the model reuses a block's "
+                f"weights (ALBERT). A pipeline stage runs its blocks once per micro-batch: call the model once per "
+                f"step, or pass ElasticPipelineStrategy(pipeline_length=1)."
+            )
+        if self.hooks.on_uncacheable is not None and not calls.whole_passes_on_one_input():
+            self.hooks.on_uncacheable(
+                f"block {block} ran {times} times in one training step on different inputs (the model called on two "
+                f"inputs, or reusing a block's weights as ALBERT does): one cached state cannot stand for each run"
+            )
 
     # ----------------------------------------------------------- backward
     def _backward(self, flight: _InFlight, loss_weight: float, grads: list[torch.Tensor]) -> list:

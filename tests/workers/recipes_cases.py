@@ -221,6 +221,18 @@ def shared_list_module() -> pl.LightningModule:
     return module
 
 
+def two_calls_module() -> pl.LightningModule:
+    """A tiny BERT whose training step calls the model on two views of the batch."""
+    module = build_case_module({"model": "bert", "lr": 1e-3})
+
+    def training_step(batch, batch_idx):
+        shifted = {**batch, "input_ids": (batch["input_ids"] + 1) % VOCAB}
+        return (module.model(**batch).loss + module.model(**shifted).loss) / 2
+
+    module.training_step = training_step
+    return module
+
+
 def summed_count_module() -> pl.LightningModule:
     """A tiny BERT that logs the samples of each step with ``reduce_fx="sum"`` over the replicas."""
     module = build_case_module({"model": "bert", "lr": 1e-3})

@@ -1,7 +1,7 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
 rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing) [resume CKPT]
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | two_calls) [resume CKPT]
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do) and
 "own_sampler" turns Lightning's distributed sampler off: both give the two stages different
@@ -35,6 +35,7 @@ from recipes_cases import (
     summed_count_module,
     timm_checkpointing_module,
     train_loader,
+    two_calls_module,
 )
 from worker_exit import run_worker
 
@@ -101,6 +102,7 @@ def main() -> None:
         "albert": albert_module,
         "shared_list": shared_list_module,
         "timm_checkpointing": timm_checkpointing_module,
+        "two_calls": two_calls_module,
     }.get(mode, hook_counting_module)()
     if mode == "layerdrop":  # as Wav2Vec2's and HuBERT's configs have by default
         module.model.config.layerdrop = 0.1
@@ -115,7 +117,9 @@ def main() -> None:
     length = 1 if mode == "fp16_fused_replicas" else 2
     # The refused outputs are refused on the first stage only (the last one waits for its hidden
     # state): the ranks agree on the failure within a third of this timeout.
-    timeout = timedelta(seconds=30 if mode in ("hidden_states", "intermediates", "timm_checkpointing") else 1800)
+    timeout = timedelta(
+        seconds=30 if mode in ("hidden_states", "intermediates", "timm_checkpointing", "two_calls") else 1800
+    )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
