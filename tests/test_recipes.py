@@ -175,13 +175,13 @@ def test_blocks_that_run_more_than_once_per_step_are_not_cached(cache, caplog):
     freeze = FreezeCallback(alpha=1 / 2, signal="schedule")
     trainer = tm.make_trainer([freeze, rates], max_epochs=3, strategy=ElasticPipelineStrategy(cache=cache))
     if cache is True:
-        with pytest.raises(ValueError, match="block 0 ran 2 times in one training step on different inputs"):
+        with pytest.raises(ValueError, match="block 0 ran 2 times in one training_step on different inputs"):
             trainer.fit(module, recipes_loader(8))
         return
     with caplog.at_level("WARNING", logger="lightning_pipetx"):
         trainer.fit(module, recipes_loader(8))
     assert freeze.frozen_blocks == 1 and trainer.global_step == 12 and not any(rates.rates)
-    assert ("block 0 ran 2 times in one training step on different inputs" in caplog.text) == (cache == "auto")
+    assert ("block 0 ran 2 times in one training_step on different inputs" in caplog.text) == (cache == "auto")
 
 
 def test_a_model_called_twice_per_step_is_still_cached():
@@ -387,12 +387,54 @@ def test_a_model_called_on_two_inputs_per_step_is_not_cached(cache, caplog):
     freeze = FreezeCallback(alpha=1 / 2, signal="schedule")
     trainer = tm.make_trainer([freeze, rates], max_epochs=4, strategy=ElasticPipelineStrategy(cache=cache))
     if cache is True:
-        with pytest.raises(ValueError, match="block 0 ran 2 times in one training step on different inputs"):
+        with pytest.raises(ValueError, match="block 0 ran 2 times in one training_step on different inputs"):
             trainer.fit(module, recipes_loader(8))
         return
     with caplog.at_level("WARNING", logger="lightning_pipetx"):
         trainer.fit(module, recipes_loader(8))
-    assert not any(rates.rates) and "block 0 ran 2 times in one training step on different inputs" in caplog.text
+    assert not any(rates.rates) and "block 0 ran 2 times in one training_step on different inputs" in caplog.text
+
+
+def test_two_calls_on_one_input_with_different_masks_are_not_cached():
+    # Block 0 gets the same hidden state twice, but another mask: not the same computation.
+    module = hook_counting_module()
+
+    def training_step(batch, batch_idx):
+        half = batch["attention_mask"].clone()
+        half[:, half.shape[1] // 2 :] = 0
+        return (module.model(**batch).loss + module.model(**{**batch, "attention_mask": half}).loss) / 2
+
+    module.training_step = training_step
+    freeze = FreezeCallback(alpha=1 / 2, signal="schedule")
+    trainer = tm.make_trainer([freeze], max_epochs=3, strategy=ElasticPipelineStrategy(cache=True))
+    with pytest.raises(ValueError, match="block 0 ran 2 times in one training_step on different inputs"):
+        trainer.fit(module, recipes_loader(8))
+
+
+class ValidationLosses(pl.Callback):
+    def __init__(self):
+        self.values = []
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        self.values.append(float(trainer.callback_metrics["two_view_loss"]))
+
+
+def test_a_validation_step_calling_the_model_on_two_inputs_is_not_served_from_the_cache():
+    # Training calls the model once (its cache serves); validation encodes two inputs.
+    def run(cache):
+        module, losses = hook_counting_module(), ValidationLosses()
+
+        def validation_step(batch, batch_idx):
+            shifted = {**batch, "input_ids": (batch["input_ids"] + 1) % tm.VOCAB}
+            module.log("two_view_loss", module.model(**batch).loss + 10 * module.model(**shifted).loss)
+
+        module.validation_step = validation_step
+        freeze = FreezeCallback(alpha=1 / 2, signal="schedule")
+        trainer = tm.make_trainer([freeze, losses], max_epochs=5, strategy=ElasticPipelineStrategy(cache=cache))
+        trainer.fit(module, recipes_loader(8), recipes_loader(8))
+        return losses.values
+
+    assert run("auto") == pytest.approx(run(False), rel=1e-6)
 
 
 def test_a_step_that_calls_the_model_twice_is_refused_under_a_pipeline(tmp_path):

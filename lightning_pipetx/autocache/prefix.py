@@ -114,11 +114,11 @@ class CachedPrefix:
             if stop_at_capture:
                 raise StageExit(hooks.captured)
 
+        hooks.on_uncacheable = self._refuse_output  # serving or capturing
         if level < depth:
             hooks.capture_at = depth - 1
             hooks.on_first_block = lambda: timing.__setitem__(0, cache.watch.start("compute"))
             hooks.on_capture = captured
-            hooks.on_uncacheable = self._refuse_output
         try:
             yield
         finally:

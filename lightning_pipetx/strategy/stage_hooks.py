@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from lightning_pipetx.strategy.p2p import Activation, BoundaryError
 
@@ -104,7 +105,7 @@ class StageHooks:
 
     def _forward(self, index: int, original: Callable, first_arg: str | None, *args: Any, **kwargs: Any) -> Any:
         if self.calls is not None:
-            self.calls.record(index, args[0] if args else kwargs.get(first_arg))
+            self.calls.record(index, args, kwargs)
         if index == 0 and self.on_prefix_input is not None:
             hidden = args[0] if args else kwargs.get(first_arg)
             if isinstance(hidden, torch.Tensor):
@@ -168,16 +169,16 @@ def _replace_first_input(
 
 
 class BlockCalls:
-    """The blocks one micro-batch's training step called, in order, and what entered block 0."""
+    """The blocks one micro-batch's step called, in order, and every input block 0 got."""
 
     def __init__(self) -> None:
         self.order: list[int] = []
-        self._block0_inputs: list[Any] = []
+        self._block0_inputs: list[list[Any]] = []
 
-    def record(self, index: int, hidden: Any) -> None:
+    def record(self, index: int, args: tuple, kwargs: dict[str, Any]) -> None:
         self.order.append(index)
         if index == 0:
-            self._block0_inputs.append(hidden)
+            self._block0_inputs.append(tree_flatten((args, kwargs))[0])
 
     def repeated(self) -> tuple[int, int] | None:
         """``(block, times)`` of the first block called more than once, or None."""
@@ -185,12 +186,46 @@ class BlockCalls:
         return next(((block, n) for block, n in counts.items() if n > 1), None)
 
     def whole_passes_on_one_input(self) -> bool:
-        """Every block ran as often as block 0, which got the same hidden state each time: the
-        model was called more than once on one input (two dropout views of a batch)."""
-        counts, first = Counter(self.order), self._block0_inputs[0] if self._block0_inputs else None
+        """Every block ran as often as block 0, which got the same inputs each time (hidden state,
+        masks, positions): the model was called more than once on one input (dropout views)."""
+        counts, inputs = Counter(self.order), self._block0_inputs
         return (
-            isinstance(first, torch.Tensor)
-            and len(set(counts.values())) == 1
-            and len(self._block0_inputs) == counts[0]
-            and all(isinstance(t, torch.Tensor) and torch.equal(t, first) for t in self._block0_inputs[1:])
+            len(set(counts.values())) == 1
+            and len(inputs) == counts[0]
+            and all(_same_leaves(inputs[0], other) for other in inputs[1:])
+        )
+
+
+def _same_leaves(first: list[Any], other: list[Any]) -> bool:
+    if len(first) != len(other):
+        return False
+    for a, b in zip(first, other):
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)):
+                return False
+        elif a != b:
+            return False
+    return True
+
+
+def check_block_calls(hooks: StageHooks, pipelined: bool, step: str) -> None:
+    """After one micro-batch's ``step``: refuse a block run more than once under a pipeline (a
+    stage runs its blocks once per micro-batch); keep AutoCache from it unless the model ran
+    whole, more than once, on the same inputs."""
+    calls, hooks.calls = hooks.calls, None
+    repeated = calls.repeated() if calls is not None else None
+    if repeated is None:
+        return
+    block, times = repeated
+    if pipelined:
+        raise RuntimeError(
+            f"block {block} ran {times} times in one micro-batch's {step}: the step calls the model more than once "
+            f"(two views of a batch, the model as its own teacher), or the model reuses a block's weights (ALBERT). "
+            f"A pipeline stage runs its blocks once per micro-batch: call the model once per step (concatenate the "
+            f"views into one batch), or pass ElasticPipelineStrategy(pipeline_length=1)."
+        )
+    if hooks.on_uncacheable is not None and not calls.whole_passes_on_one_input():
+        hooks.on_uncacheable(
+            f"block {block} ran {times} times in one {step} on different inputs (the model called on two inputs, or "
+            f"reusing a block's weights as ALBERT does): one cached state cannot stand for each run"
         )

@@ -35,7 +35,7 @@ from lightning_pipetx.strategy.p2p import (
     empty_header,
     stand_in_sends,
 )
-from lightning_pipetx.strategy.stage_hooks import BlockCalls, StageExit, StageHooks
+from lightning_pipetx.strategy.stage_hooks import BlockCalls, StageExit, StageHooks, check_block_calls
 from lightning_pipetx.strategy.topology import Topology
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -255,7 +255,7 @@ class StageRunner:
                 try:
                     output = step_fn(microbatch)
                 finally:  # inside the context, which says whether AutoCache skips or captures blocks
-                    self._check_calls()
+                    check_block_calls(hooks, topo.pipeline_length > 1, "training_step")
         except StageExit as boundary:
             act = boundary.activation
             sent = act if any(act.needs_grad) else None
@@ -268,27 +268,6 @@ class StageRunner:
                 f"model's forward must run every block for each micro-batch."
             )
         return _InFlight(incoming, output), None
-
-    def _check_calls(self) -> None:
-        """Refuse a step that ran a block more than once under a pipeline (a stage runs its blocks
-        once per micro-batch); keep AutoCache from it unless the model ran whole on one input."""
-        calls, self.hooks.calls = self.hooks.calls, None
-        repeated = calls.repeated() if calls is not None else None
-        if repeated is None:
-            return
-        block, times = repeated
-        if self.topology.pipeline_length > 1:
-            raise RuntimeError(
-                f"block {block} ran {times} times in one micro-batch's training_step: the step calls the model more "
-                f"than once (two views of a batch, the model as its own teacher), or the model reuses a block's "
-                f"weights (ALBERT). A pipeline stage runs its blocks once per micro-batch: call the model once per "
-                f"step, or pass ElasticPipelineStrategy(pipeline_length=1)."
-            )
-        if self.hooks.on_uncacheable is not None and not calls.whole_passes_on_one_input():
-            self.hooks.on_uncacheable(
-                f"block {block} ran {times} times in one training step on different inputs (the model called on two "
-                f"inputs, or reusing a block's weights as ALBERT does): one cached state cannot stand for each run"
-            )
 
     # ----------------------------------------------------------- backward
     def _backward(self, flight: _InFlight, loss_weight: float, grads: list[torch.Tensor]) -> list:
