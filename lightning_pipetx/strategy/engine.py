@@ -26,7 +26,7 @@ from lightning_pipetx.strategy.microbatch import batch_size, join_outputs, split
 from lightning_pipetx.strategy.output_relay import OutputRelay
 from lightning_pipetx.strategy.p2p import Channel
 from lightning_pipetx.strategy.param_store import ParamStore, broadcast_, broadcast_all, gather_block_state
-from lightning_pipetx.strategy.stage_hooks import BlockCalls, StageExit, StageHooks, check_block_calls
+from lightning_pipetx.strategy.stage_hooks import BlockCalls, StageExit, StageHooks
 from lightning_pipetx.strategy.stage_runner import StageRunner, extract_loss, no_microbatch_context
 from lightning_pipetx.strategy.topology import Topology
 
@@ -230,12 +230,13 @@ class PipelineEngine:
             return self._eval_step(step, batch, args, kwargs)
         depth = self._cache_depth()
         context = prefix.begin_step(batch, indices, [len(indices)], depth)
-        self.hooks.calls = BlockCalls()
-        with context(0) if context is not None else contextlib.nullcontext():
-            try:
+        try:
+            with context(0) if context is not None else contextlib.nullcontext():
+                # Each model call is relayed on its own under a pipeline: a repeat concerns the cache only.
+                self.hooks.calls = BlockCalls("evaluation step", refuse_repeats=False)
                 output = self._eval_step(step, batch, args, kwargs)
-            finally:  # each model call is relayed on its own under a pipeline: only the cache's concern
-                check_block_calls(self.hooks, False, "evaluation step")
+        finally:
+            self.hooks.calls = None
         prefix.end_step(upcoming, depth)
         return output
 

@@ -18,13 +18,11 @@ from __future__ import annotations
 import functools
 import inspect
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from lightning_pipetx.strategy.p2p import Activation, BoundaryError
 
@@ -105,7 +103,7 @@ class StageHooks:
 
     def _forward(self, index: int, original: Callable, first_arg: str | None, *args: Any, **kwargs: Any) -> Any:
         if self.calls is not None:
-            self.calls.record(index, args, kwargs)
+            self._count(index, self.calls)
         if index == 0 and self.on_prefix_input is not None:
             hidden = args[0] if args else kwargs.get(first_arg)
             if isinstance(hidden, torch.Tensor):
@@ -133,6 +131,28 @@ class StageHooks:
         if index == self.end - 1 and not self.is_last_stage:
             raise StageExit(Activation.of_output(output))
         return output
+
+    def _count(self, index: int, calls: BlockCalls) -> None:
+        """Before block ``index`` runs: a second run of a block in one micro-batch's step is refused
+        under a pipeline, and ends AutoCache's part in it (served or captured states stand for one
+        run of each block: a second call of the model may differ in any input, or in weights)."""
+        if index not in calls.seen:
+            calls.seen.add(index)
+            return
+        if calls.refuse_repeats:
+            raise RuntimeError(
+                f"block {index} ran twice in one micro-batch's {calls.step}: the step calls the model more than once "
+                f"(two views of a batch, the model as its own teacher), or the model reuses a block's weights "
+                f"(ALBERT). A pipeline stage runs its blocks once per micro-batch: call the model once per step "
+                f"(concatenate the views into one batch), or pass ElasticPipelineStrategy(pipeline_length=1)."
+            )
+        if self.on_uncacheable is not None:
+            self.on_uncacheable(
+                f"block {index} ran twice in one {calls.step} (the model called more than once per step, or reusing "
+                f"a block's weights as ALBERT does): a cached state stands for one run of each block"
+            )
+            self.on_uncacheable = None
+            self.skip_until, self.capture_at, self.captured = 0, -1, None  # every block computed from here on
 
     def _capture(self, output: Any) -> None:
         try:
@@ -169,63 +189,9 @@ def _replace_first_input(
 
 
 class BlockCalls:
-    """The blocks one micro-batch's step called, in order, and every input block 0 got."""
+    """The blocks one micro-batch's step has run (``step``: its name in messages)."""
 
-    def __init__(self) -> None:
-        self.order: list[int] = []
-        self._block0_inputs: list[list[Any]] = []
-
-    def record(self, index: int, args: tuple, kwargs: dict[str, Any]) -> None:
-        self.order.append(index)
-        if index == 0:
-            self._block0_inputs.append(tree_flatten((args, kwargs))[0])
-
-    def repeated(self) -> tuple[int, int] | None:
-        """``(block, times)`` of the first block called more than once, or None."""
-        counts = Counter(self.order)
-        return next(((block, n) for block, n in counts.items() if n > 1), None)
-
-    def whole_passes_on_one_input(self) -> bool:
-        """Every block ran as often as block 0, which got the same inputs each time (hidden state,
-        masks, positions): the model was called more than once on one input (dropout views)."""
-        counts, inputs = Counter(self.order), self._block0_inputs
-        return (
-            len(set(counts.values())) == 1
-            and len(inputs) == counts[0]
-            and all(_same_leaves(inputs[0], other) for other in inputs[1:])
-        )
-
-
-def _same_leaves(first: list[Any], other: list[Any]) -> bool:
-    if len(first) != len(other):
-        return False
-    for a, b in zip(first, other):
-        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)):
-                return False
-        elif a != b:
-            return False
-    return True
-
-
-def check_block_calls(hooks: StageHooks, pipelined: bool, step: str) -> None:
-    """After one micro-batch's ``step``: refuse a block run more than once under a pipeline (a
-    stage runs its blocks once per micro-batch); keep AutoCache from it unless the model ran
-    whole, more than once, on the same inputs."""
-    calls, hooks.calls = hooks.calls, None
-    repeated = calls.repeated() if calls is not None else None
-    if repeated is None:
-        return
-    block, times = repeated
-    if pipelined:
-        raise RuntimeError(
-            f"block {block} ran {times} times in one micro-batch's {step}: the step calls the model more than once "
-            f"(two views of a batch, the model as its own teacher), or the model reuses a block's weights (ALBERT). "
-            f"A pipeline stage runs its blocks once per micro-batch: call the model once per step (concatenate the "
-            f"views into one batch), or pass ElasticPipelineStrategy(pipeline_length=1)."
-        )
-    if hooks.on_uncacheable is not None and not calls.whole_passes_on_one_input():
-        hooks.on_uncacheable(
-            f"block {block} ran {times} times in one {step} on different inputs (the model called on two inputs, or "
-            f"reusing a block's weights as ALBERT does): one cached state cannot stand for each run"
-        )
+    def __init__(self, step: str, refuse_repeats: bool) -> None:
+        self.step = step
+        self.refuse_repeats = refuse_repeats  # pipelined training
+        self.seen: set[int] = set()

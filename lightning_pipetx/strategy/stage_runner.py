@@ -35,7 +35,7 @@ from lightning_pipetx.strategy.p2p import (
     empty_header,
     stand_in_sends,
 )
-from lightning_pipetx.strategy.stage_hooks import BlockCalls, StageExit, StageHooks, check_block_calls
+from lightning_pipetx.strategy.stage_hooks import BlockCalls, StageExit, StageHooks
 from lightning_pipetx.strategy.topology import Topology
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -249,19 +249,16 @@ class StageRunner:
     ) -> tuple[_InFlight, Activation | None]:
         """Run one micro-batch's forward; returns it in flight and the activation to send on."""
         topo, hooks = self.topology, self.hooks
-        hooks.incoming, hooks.calls = incoming, BlockCalls()
+        hooks.incoming, hooks.calls = incoming, BlockCalls("training_step", refuse_repeats=topo.pipeline_length > 1)
         try:
             with self.microbatch_context(position):
-                try:
-                    output = step_fn(microbatch)
-                finally:  # inside the context, which says whether AutoCache skips or captures blocks
-                    check_block_calls(hooks, topo.pipeline_length > 1, "training_step")
+                output = step_fn(microbatch)
         except StageExit as boundary:
             act = boundary.activation
             sent = act if any(act.needs_grad) else None
             return _InFlight(incoming, sent), act
         finally:
-            hooks.incoming = None
+            hooks.incoming, hooks.calls = None, None
         if not topo.is_last_stage:
             raise RuntimeError(
                 f"stage {topo.stage} finished its step without reaching block {self.hooks.end - 1}: the "
