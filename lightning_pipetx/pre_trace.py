@@ -38,8 +38,9 @@ _BEFORE, _INSIDE, _AFTER = 0, 1, 2
 def _graph_leaves(values: list[Any], seen: set[Any]) -> set[int]:
     """Ids of the weights the tensors among ``values`` were computed from (graph nodes in
     ``seen`` are not walked again)."""
-    leaves: set[int] = set()
-    stack = [v.grad_fn for v in values if isinstance(v, torch.Tensor) and v.grad_fn is not None]
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    leaves = {id(t) for t in tensors if t.requires_grad and t.grad_fn is None}  # a weight passed as it is
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -84,8 +85,9 @@ class PreTrace:
         pre = {id(p) for p in split.pre_parameters()}
         self.pre_names_registered = [name for name, p in split.root.named_parameters() if id(p) in pre]
         self._pre_index = {id(params[name]): i for i, name in enumerate(self.pre_names_registered)}
-        # per pre weight: whether a block's input was computed from it
+        # per pre weight: whether a block's input was computed from it, and whether the step read it
         self.feeds_blocks = torch.zeros(len(self.pre_names_registered), dtype=torch.bool)
+        self.pre_reads = torch.zeros(len(self.pre_names_registered), dtype=torch.bool)
         self._walked: set[Any] = set()
         self._phase = _AFTER
         self._mode: _ReadRecorder | None = None
@@ -93,9 +95,14 @@ class PreTrace:
 
     def record(self, values: list[Any]) -> None:
         for value in values:
-            index = self._index.get(id(value)) if isinstance(value, nn.Parameter) else None
+            if not isinstance(value, nn.Parameter):
+                continue
+            index = self._index.get(id(value))
             if index is not None:
                 self.reads[index, self._phase] = True
+            index = self._pre_index.get(id(value))
+            if index is not None:
+                self.pre_reads[index] = True
 
     def _set_phase(self, phase: int) -> Any:
         def hook(*_: Any) -> None:
@@ -116,16 +123,16 @@ class PreTrace:
         if self._pre_index:
             for block in blocks:
                 self._handles.append(block.register_forward_pre_hook(self._record_block_inputs, with_kwargs=True))
-        if not self.names:
-            return
-        first_link = self.split.root.get_submodule(self.split.path.split(".")[0])
-        if first_link is not blocks:
-            self._handles.append(first_link.register_forward_pre_hook(self._set_phase(_BEFORE)))
-        self._handles.append(blocks[0].register_forward_pre_hook(self._set_phase(_INSIDE)))
-        self._handles.append(blocks[len(blocks) - 1].register_forward_hook(self._set_phase(_AFTER)))
-        self._phase = _AFTER
-        self._mode = _ReadRecorder(self)
-        self._mode.__enter__()
+        if self.names:
+            first_link = self.split.root.get_submodule(self.split.path.split(".")[0])
+            if first_link is not blocks:
+                self._handles.append(first_link.register_forward_pre_hook(self._set_phase(_BEFORE)))
+            self._handles.append(blocks[0].register_forward_pre_hook(self._set_phase(_INSIDE)))
+            self._handles.append(blocks[len(blocks) - 1].register_forward_hook(self._set_phase(_AFTER)))
+        if self.names or self._pre_index:
+            self._phase = _AFTER
+            self._mode = _ReadRecorder(self)
+            self._mode.__enter__()
 
     def stop(self) -> None:
         if self._mode is not None:
@@ -143,13 +150,14 @@ class PreTrace:
         only_before = (reads[:, _BEFORE] > 0) & (reads[:, _INSIDE] == 0) & (reads[:, _AFTER] == 0)
         return [name for name, keep in zip(self.names, only_before.tolist()) if keep]
 
-    def post_names(self, feeds_blocks: torch.Tensor | None = None) -> list[str]:
-        """Trainable ``pre`` weights from which no block's input was computed, by ``feeds_blocks``
-        (this trace's :attr:`feeds_blocks`, or every rank's combined by a maximum)."""
-        feeds = self.feeds_blocks if feeds_blocks is None else feeds_blocks
+    def post_names(self, seen: torch.Tensor | None = None) -> list[str]:
+        """Trainable ``pre`` weights the step read in a recorded op but computed no block's input
+        from (a weight it did not read stays ``pre``: no evidence), by ``seen``: rows
+        :attr:`feeds_blocks` and :attr:`pre_reads` (this trace's, or every rank's by a maximum)."""
+        feeds, read = (self.feeds_blocks, self.pre_reads) if seen is None else (seen[0] > 0, seen[1] > 0)
         params = dict(self.split.root.named_parameters())
         return [
             name
-            for name, fed in zip(self.pre_names_registered, feeds.tolist())
-            if not fed and params[name].requires_grad
+            for name, fed, was_read in zip(self.pre_names_registered, feeds.tolist(), read.tolist())
+            if was_read and not fed and params[name].requires_grad
         ]

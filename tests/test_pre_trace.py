@@ -211,3 +211,36 @@ def test_xlm_roberta_freezes_its_encoder_and_trains_its_head_with_the_cache_serv
     assert not any(p.requires_grad for p in module.model.roberta.embeddings.parameters())
     assert all(not torch.equal(p, head_before[n]) for n, p in module.model.classifier.named_parameters())
     assert rates.rates[-1] == 1.0  # every sample served once the deepest prefix is cached
+
+
+class PreWeightsSeenOrNot(pl.LightningModule):
+    """A weight before the blocks that the traced step does not read (used from a later batch on),
+    and one that the last block takes as it is, not through an op."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x, bias=None):
+            return x + self.linear(x) + (0 if bias is None else bias)
+
+    def __init__(self):
+        super().__init__()
+        self.later = torch.nn.Parameter(torch.zeros(4))
+        self.bias = torch.nn.Parameter(torch.zeros(4))
+        self.blocks = torch.nn.ModuleList([self.Block(), self.Block()])
+
+    def training_step(self, batch, batch_idx):
+        x = batch + (self.later if batch_idx > 0 else 0)
+        x = self.blocks[0](x)
+        return self.blocks[1](x, bias=self.bias).square().mean()
+
+
+def test_a_weight_is_moved_out_of_pre_only_on_evidence():
+    module = PreWeightsSeenOrNot()
+    trace = PreTrace(find_blocks(module))
+    trace.start()
+    module.training_step(torch.randn(2, 4), 0).backward()
+    trace.stop()
+    assert trace.post_names() == []  # "later" was not read; "bias" feeds the last block as it is

@@ -279,8 +279,9 @@ class AutoCache:
         if hidden.requires_grad:
             self.disable(
                 "the frozen blocks' output requires a gradient: a weight they use from outside the frozen prefix "
-                "(registered after the blocks) still trains, so a cached state would go stale and its gradient "
-                "would be lost. Freeze that weight too, or pass cache=False"
+                "(registered after the blocks, or one FreezeCallback found feeding no block in the first step: its "
+                "post_weights) still trains, so a cached state would go stale and its gradient would be lost. "
+                "Freeze that weight too, or pass cache=False"
             )
             return
         shape = tuple(hidden.shape[1:])

@@ -237,8 +237,9 @@ class FreezeCallback(Callback):
         trace.stop()
         # A pipeline's first stage never runs the head: combine what every rank saw.
         reads = all_reduce_max(trace.reads.to(torch.float64)) if trace.names else trace.reads
-        feeds = all_reduce_max(trace.feeds_blocks.to(torch.float64)) if trace.pre_names_registered else None
-        self._pre_weights, self._post_weights = trace.pre_names(reads), trace.post_names(feeds)
+        seen = torch.stack([trace.feeds_blocks, trace.pre_reads]).to(torch.float64)
+        seen = all_reduce_max(seen) if trace.pre_names_registered else seen
+        self._pre_weights, self._post_weights = trace.pre_names(reads), trace.post_names(seen)
         self._apply_trace()
         for path in block_lists_in_pre(self.split):
             rank_zero_warn(
