@@ -48,18 +48,16 @@ class CachedPrefix:
             self.cache.prefetch(upcoming, depth)
 
     def _refuse_rows(self, rows: int, samples: int) -> None:
-        reason = (
+        self._refuse(
             f"a batch of {rows} rows was made of {samples} samples (a collate_fn that drops or adds rows), so its "
             f"rows cannot be matched with the samples whose states are cached"
         )
+
+    def _refuse(self, reason: str) -> None:
+        """An error under ``cache=True``, else the cache off with a warning."""
         if self.cache.force:
             raise ValueError(f"ElasticPipelineStrategy(cache=True): {reason}. Pass cache=False (or cache='auto').")
         self.cache.disable(reason + ".")
-
-    def _refuse_output(self, reason: str) -> None:
-        if self.cache.force:
-            raise ValueError(f"ElasticPipelineStrategy(cache=True): {reason}. Pass cache=False (or cache='auto').")
-        self.cache.disable(reason)
 
     def _observe_input(self, indices: torch.Tensor, batch: Any) -> None:
         self.cache.guard.observe(indices, sample_fingerprints(batch, len(indices), self.device))
@@ -114,7 +112,7 @@ class CachedPrefix:
             if stop_at_capture:
                 raise StageExit(hooks.captured)
 
-        hooks.on_uncacheable = self._refuse_output  # serving or capturing
+        hooks.on_uncacheable = self._refuse  # serving or capturing
         if level < depth:
             hooks.capture_at = depth - 1
             hooks.on_first_block = lambda: timing.__setitem__(0, cache.watch.start("compute"))

@@ -16,6 +16,8 @@ from torch import nn
 from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
+from lightning_pipetx.strategy.output_relay import wire_dtype
+
 
 class MetricGroups:
     """Points the module's torchmetrics metrics at one stage's group while steps run: in
@@ -48,7 +50,7 @@ def gather_from_ranks(tensor: torch.Tensor, sources: list[int]) -> list[torch.Te
     gathered = []
     for source in sources:
         shape, dtype = specs[source]
-        wire = torch.uint8 if dtype == torch.bool else dtype
+        wire = wire_dtype(dtype)
         if rank == source:
             buffer = tensor.detach().to(wire).contiguous()
         else:

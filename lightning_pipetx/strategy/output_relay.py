@@ -133,7 +133,8 @@ class _TensorUnpickler(pickle.Unpickler):
         return self.tensors[pid]
 
 
-def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
+def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor of ``dtype`` is sent as."""
     return torch.uint8 if dtype == torch.bool else dtype  # not every backend reduces bool
 
 
@@ -169,9 +170,9 @@ def share_output(output: Any, topology: Topology, device: torch.device) -> Any:
         if sender:
             if sum(sizes) > 0:
                 flat = torch.cat([tensors[i].to(device).reshape(-1) for i in members])
-                dist.broadcast(flat.view(_wire_dtype(dtype)), src=src, group=group)
+                dist.broadcast(flat.view(wire_dtype(dtype)), src=src, group=group)
             continue
-        flat = torch.empty(sum(sizes), dtype=_wire_dtype(dtype), device=device)
+        flat = torch.empty(sum(sizes), dtype=wire_dtype(dtype), device=device)
         if sum(sizes) > 0:
             dist.broadcast(flat, src=src, group=group)
         for i, part in zip(members, torch.split(flat.view(dtype), sizes)):
