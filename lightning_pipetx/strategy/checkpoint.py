@@ -80,3 +80,35 @@ def atomic_save(checkpoint_io: CheckpointIO, checkpoint: dict[str, Any], filepat
     finally:
         if os.path.exists(partial):
             os.remove(partial)
+
+
+class ClosedRun:
+    """What a run left for ``trainer.save_checkpoint`` after it: its last plan once the engine
+    closed (every rank then holds every block), whether it was fit's (each rank then still holds
+    the optimizer state of the blocks it ran), and whether it stopped on an error."""
+
+    def __init__(self) -> None:
+        self.plan: Plan | None = None
+        self.fit = False
+        self.failed = False
+
+    def plan_after_run(self, running: bool) -> Plan | None:
+        """The closed run's plan, or None while an engine runs."""
+        if running:
+            return None
+        if self.plan is None and self.failed:
+            raise RuntimeError(
+                "trainer.save_checkpoint after a run that stopped on an error not every rank took part in: the "
+                "ranks could not give each other back the blocks they did not run, so the model is incomplete "
+                "(see the error logged at teardown). Load the last checkpoint instead."
+            )
+        return self.plan
+
+    def check_optimizer_state(self, fitting: bool) -> None:
+        """Refuse to save optimizer state that no rank holds whole: after validate, test, predict or a failed fit."""
+        if not (fitting or self.fit):
+            after = "a fit that stopped on an error" if self.failed else "trainer.validate, test or predict"
+            raise RuntimeError(
+                f"trainer.save_checkpoint after {after} under ElasticPipelineStrategy: each rank now holds the "
+                f"optimizer state of its own blocks only. Save right after fit, or pass weights_only=True."
+            )

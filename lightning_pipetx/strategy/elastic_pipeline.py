@@ -22,30 +22,21 @@ from lightning_pipetx.autocache import CacheControl, CacheFeed, CacheSite
 from lightning_pipetx.blocks import BlockSplit, find_blocks
 from lightning_pipetx.strategy.autodp import AutoDP, Transition
 from lightning_pipetx.strategy.autopipe import FROZEN_TIME, AutoPipe, Plan, device_memory
-from lightning_pipetx.strategy.checkpoint import atomic_save, gather_optimizer_state
+from lightning_pipetx.strategy.checkpoint import ClosedRun, atomic_save, gather_optimizer_state
 from lightning_pipetx.strategy.dataloading import shards_one_index_space, stable_shards
 from lightning_pipetx.strategy.engine import PipelineEngine
 from lightning_pipetx.strategy.failure import FailureAgreement, explain_training_outputs, restore_after_failure
 from lightning_pipetx.strategy.host_memory import reuse_for_training
 from lightning_pipetx.strategy.lightning_compat import (
-    WeightAveragingError,
-    averaged_weights_used_in,
     check_lightning_internals,
     clip_norm_over_stages,
-    refuse_time_based_validation,
-    refuse_weight_averaging,
     restore_clipping,
-    weight_averaging,
 )
-from lightning_pipetx.strategy.loss_scaling import agreeing_scaler, refuse_unagreed_overflow
-from lightning_pipetx.strategy.metric_sync import LastStageSync, MetricGroups
+from lightning_pipetx.strategy.loss_scaling import agreeing_scaler
+from lightning_pipetx.strategy.metric_sync import PipelineMetrics
 from lightning_pipetx.strategy.model_checks import (
     CollectedOutputChecks,
-    UnsupportedOutputsError,
-    UnsupportedRecipeError,
-    block_dropping,
     microbatches_for_training,
-    refuse_block_dropping,
     refuse_diverging_learning_rates,
     refuse_manual_optimization,
     refuse_shared_block_weights,
@@ -55,6 +46,7 @@ from lightning_pipetx.strategy.model_checks import (
 from lightning_pipetx.strategy.options import check_arguments
 from lightning_pipetx.strategy.param_store import ParamStore
 from lightning_pipetx.strategy.predictions import QuietWriters, gather_loop_predictions, input_rows
+from lightning_pipetx.strategy.recipe_checks import check_fit_recipe, refuse_collected_outputs
 from lightning_pipetx.strategy.topology import Layout
 from lightning_pipetx.strategy.transition import drop_optimizer_state
 
@@ -165,14 +157,10 @@ class ElasticPipelineStrategy(DDPStrategy):
         self.bucket_cap_mb = bucket_cap_mb
         self.reuse_host_memory = reuse_host_memory
         self.engine: PipelineEngine | None = None
-        # After a run, for trainer.save_checkpoint: the last engine's plan, and whether it was
-        # fit's (each rank then still holds the optimizer state of the blocks it ran).
-        self._closed_plan: Plan | None = None
-        self._closed_fit = False
+        self._last_run = ClosedRun()  # what a run leaves for trainer.save_checkpoint after it
         self._split: BlockSplit | None = None
         self._layout0: Layout | None = None
         self._sync_grads = True
-        self._failed = False
         self.autopipe: AutoPipe | None = None  # the run's layout planner, from setup
         self._frozen = 0
         self._store: ParamStore | None = None
@@ -182,14 +170,11 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._cache_feed = CacheFeed(self._autocache)
         self._run_token = ""
         self._private_sites = False  # a loader was given cache folders of this rank's own, for it to remove
-        self._logged_layout: Layout | None = None  # the layout the epoch's training values were logged under
         self._epoch_begun: int | None = None  # the training epoch whose first batch this run has seen
         self._transition_seconds: float | None = None
         self.last_transition: Transition | None = None  # what the last transition did on this rank
         self._output_checks: CollectedOutputChecks | None = None
-        self._eval_metrics = MetricGroups()
-        self._train_metrics = MetricGroups()
-        self._epoch_metric_sync = LastStageSync(self._metric_state_ranks)
+        self._metrics = PipelineMetrics(self._running_layout)
         self._predict_rows: dict[int, list[int | None]] = {}  # per predict dataloader: each input batch's samples
         self._quiet_writers = QuietWriters()
         self._agreement: FailureAgreement | None = None
@@ -251,10 +236,13 @@ class ElasticPipelineStrategy(DDPStrategy):
             raise RuntimeError("ElasticPipelineStrategy is not set up: run it through a Trainer.")
         return self.autopipe
 
+    def _running_layout(self) -> Layout | None:
+        return self.engine.layout if self.engine is not None else None
+
     def _loader_layout(self) -> Layout | None:
         """The layout loaders are built for: the engine's, or while setup builds it the first
         plan's (configure_optimizers may build the training loader, for an LR schedule)."""
-        return self.engine.layout if self.engine is not None else self._layout0
+        return self._running_layout() or self._layout0
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -267,8 +255,8 @@ class ElasticPipelineStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         check_lightning_internals(trainer)
-        self._closed_plan, self._closed_fit = None, False
-        self._logged_layout = None
+        self._last_run = ClosedRun()
+        self._metrics.logged_layout = None
         self.accelerator.setup(trainer)
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:  # precision="16-mixed": one scale and one overflow decision for all stages
@@ -282,7 +270,6 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._autodp.reset()
         self._run_token = self.broadcast(uuid.uuid4().hex[:12] if self.is_global_zero else None)
         self._private_sites = False
-        self._failed = False
         self._agreement = FailureAgreement(self.world_size, self.timeout)
         fitting = trainer.state.fn == TrainerFn.FITTING
         microbatches = self.num_microbatches
@@ -303,18 +290,10 @@ class ElasticPipelineStrategy(DDPStrategy):
             # configure_optimizers sees every weight as one process would (it may group them by
             # shape or read them); the blocks this rank does not run are released after it.
             self.setup_optimizers(trainer)
-            refuse_unagreed_overflow(self.optimizers, scaler, plan.layout.pipeline_length)
-            refuse_weight_averaging(trainer.callbacks, plan.layout.pipeline_length)
-            refuse_time_based_validation(trainer, self.world_size)
-            dropping = block_dropping(self.lightning_module, self._split.blocks)
-            refuse_block_dropping(dropping, plan.layout.pipeline_length)
-            if dropping:
-                model, key, value = dropping[0]
-                reason = f"{model}.config.{key}={value:g} skips frozen blocks at random, which cached states cannot"
-                self._autocache.refuse(reason, UnsupportedRecipeError, f"Pass cache=False, or set {key} to 0.")
-            for callback in weight_averaging(trainer.callbacks):
-                used_in = averaged_weights_used_in(callback, self.lightning_module, trainer.max_epochs)
-                self._refuse_cache_for_averaging(type(callback).__name__, used_in)
+            length = plan.layout.pipeline_length
+            check_fit_recipe(
+                trainer, self.optimizers, scaler, self._split.blocks, length, self.world_size, self._autocache
+            )
         self.engine = self._build_engine(plan)
         self.engine.profile_steps = self.profile_steps
         drop_optimizer_state(self._split.blocks, self.optimizers, self.engine.block_range)
@@ -394,7 +373,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self.last_transition = done
         self._transition_seconds = done.seconds
         if trainer.training:  # the epoch's logged values are reduced after this, until the next epoch starts
-            self._logged_layout = engine.layout
+            self._metrics.logged_layout = engine.layout
         if self.is_global_zero:
             log.info("pipetx: frozen %d->%d blocks, %s by rank 0", previous, frozen_blocks, done.describe())
 
@@ -440,7 +419,7 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def on_train_start(self) -> None:
         # After the callbacks' hooks: a frozen prefix re-applied on resume moved before anything was logged.
-        self._logged_layout = None
+        self._metrics.logged_layout = None
         self._epoch_begun = None
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -449,8 +428,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         epoch = self.lightning_module.trainer.current_epoch
         if epoch != self._epoch_begun:  # batch 0, or the first batch of an epoch resumed mid-way
             self._epoch_begun = epoch
-            self._logged_layout = None  # the last epoch's values are reduced by now
-            self._epoch_metric_sync.install(self.lightning_module)  # metrics made since the last epoch too
+            self._metrics.begin_epoch(self.lightning_module)
             refuse_diverging_learning_rates(self.optimizers, self.root_device)
             self._autocache.begin_epoch(self.world_size)
             layout = self._require_engine().layout
@@ -467,32 +445,8 @@ class ElasticPipelineStrategy(DDPStrategy):
                 dist.broadcast(tensor.data, src=0)
 
     def _refuse_collected_outputs(self, model: str, what: str) -> None:
-        """A model was asked for outputs of every block (see :mod:`model_checks`)."""
-        engine = self._require_engine()
-        length = engine.layout.pipeline_length
-        if length > 1:
-            raise UnsupportedOutputsError(
-                f"{model} was asked for {what} under ElasticPipelineStrategy with pipeline_length={length}: each rank "
-                f"runs only some of its blocks, so the outputs of the blocks it skips would be missing. Turn {what} "
-                f"off (in the call and in the model's config), or pass ElasticPipelineStrategy(pipeline_length=1)."
-            )
-        if self.cache is False:
-            return
-        reason = f"{model} was asked for {what}, which needs every block to run, and a cache hit skips the frozen ones"
-        if self.lightning_module.trainer.training:
-            self._autocache.refuse(reason, UnsupportedOutputsError, "Pass cache=False (or cache='auto').")
-        else:
-            self._autocache.refuse_validation(reason)
-
-    def _refuse_cache_for_averaging(self, name: str, used_in: str | None) -> None:
-        """A weight-averaging callback puts averaged weights into the model, frozen prefix included,
-        which the cached states were not computed with: SWA for the epoch it adds to update batch
-        norms (``used_in="training"``), EMA for each validation."""
-        if used_in == "training":
-            reason = f"{name} copies averaged weights into the model, the frozen prefix's too, for an epoch of training"
-            self._autocache.refuse(reason, WeightAveragingError, f"Pass cache=False (or cache='auto'), or drop {name}.")
-        elif used_in == "validation":
-            self._autocache.refuse_validation(f"{name} validates with averaged weights, frozen prefix included")
+        length, training = self._require_engine().layout.pipeline_length, self.lightning_module.trainer.training
+        refuse_collected_outputs(model, what, length, training, self.cache, self._autocache)
 
     def _require_engine(self) -> PipelineEngine:
         if self.engine is None:
@@ -505,32 +459,15 @@ class ElasticPipelineStrategy(DDPStrategy):
         loss_scale = 1.0 / max(1, trainer.accumulate_grad_batches)
         indices, upcoming = self._cache_feed.training_keys()
         engine, step = self._require_engine(), self.lightning_module.training_step
-        with self.precision_plugin.train_step_context(), self._training_metric_groups(engine):
+        with (
+            self.precision_plugin.train_step_context(),
+            self._metrics.training_step(self.lightning_module, engine.topology),
+        ):
             output = engine.train_step(step, args[0], args[1:], kwargs, loss_scale, indices, self._sync_grads, upcoming)
             dropped = self._cache_feed.dropped_samples()  # after the epoch's last batch only
             if dropped is not None and _another_epoch_may_follow(trainer):
                 engine.fill_cache(step, args[1:], kwargs, dropped[0], lambda: self._to_device(dropped[1]()))
         return output
-
-    @contextlib.contextmanager
-    def _training_metric_groups(self, engine: PipelineEngine) -> Generator[None, None, None]:
-        """Under a pipeline, metrics the last stages update in a training step sync among them."""
-        if engine.layout.pipeline_length == 1 or not engine.topology.is_last_stage:
-            yield
-            return
-        self._train_metrics.enter(self.lightning_module, engine.topology.stage_group)
-        try:
-            yield
-        finally:
-            self._train_metrics.exit()
-
-    def _metric_state_ranks(self) -> list[int] | None:
-        """The ranks whose copies of a training metric hold the states (the last stages of the
-        layout the epoch trained under); None when every rank's copy does."""
-        layout = self._logged_layout or (self.engine.layout if self.engine is not None else None)
-        if layout is None or layout.pipeline_length == 1:
-            return None
-        return layout.stage_ranks(layout.pipeline_length - 1)
 
     def _to_device(self, batch: Any) -> Any:
         """A batch of the training loader's, prepared as Lightning's loop prepares each: the
@@ -601,12 +538,10 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._quiet_writers.enter(self.lightning_module.trainer.callbacks, self._require_engine().topology)
 
     def _evaluation_starts(self) -> None:
-        engine = self._require_engine()
-        if engine.layout.pipeline_length > 1:  # every stage updates its metrics in evaluation steps
-            self._eval_metrics.enter(self.lightning_module, engine.topology.stage_group)
+        self._metrics.evaluation_starts(self.lightning_module, self._require_engine().topology)
 
     def _evaluation_ends(self) -> None:
-        self._eval_metrics.exit()
+        self._metrics.evaluation_ends()
         self._require_engine().check_batches(everywhere=False)  # a replica without batches skips this hook
 
     def on_predict_end(self) -> None:
@@ -618,7 +553,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         """Reduce over the replicas (this stage's group): every stage holds the same logged values.
         Between a transition and the next epoch, the epoch's training values were logged under the
         old layout, each replica's on all its stages: over the world, a sum counted once per stage."""
-        logged_under = self._logged_layout
+        logged_under = self._metrics.logged_layout
         if group is None and logged_under is not None:
             reduced = super().reduce(tensor, group=None, reduce_op=reduce_op)
             summed = reduce_op == ReduceOp.SUM or (isinstance(reduce_op, str) and reduce_op.lower() == "sum")
@@ -650,27 +585,14 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def _plan_after_run(self) -> Plan | None:
         """The last run's plan once it closed (every rank then holds every block), else None."""
-        if self.engine is not None:
-            return None
-        if self._closed_plan is None and self._failed:
-            raise RuntimeError(
-                "trainer.save_checkpoint after a run that stopped on an error not every rank took part in: the "
-                "ranks could not give each other back the blocks they did not run, so the model is incomplete "
-                "(see the error logged at teardown). Load the last checkpoint instead."
-            )
-        return self._closed_plan
+        return self._last_run.plan_after_run(running=self.engine is not None)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The optimizer's state as one process would hold it, gathered on global rank 0."""
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
         plan = self._saving_plan()
         fitting = self.engine is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        if not (fitting or self._closed_fit):
-            after = "a fit that stopped on an error" if self._failed else "trainer.validate, test or predict"
-            raise RuntimeError(
-                f"trainer.save_checkpoint after {after} under ElasticPipelineStrategy: each rank now holds the "
-                f"optimizer state of its own blocks only. Save right after fit, or pass weights_only=True."
-            )
+        self._last_run.check_optimizer_state(fitting)
         return gather_optimizer_state(optimizer, self._split.blocks, plan, self.global_rank, self.root_device)
 
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -715,7 +637,7 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     # ----------------------------------------------------------- teardown
     def on_exception(self, exception: BaseException) -> None:
-        self._failed = True
+        self._last_run.failed = True
         self._quiet_writers.exit()
         engine = self.engine
         if engine is not None and not engine.topology.is_last_stage and self.lightning_module.trainer.training:
@@ -723,32 +645,32 @@ class ElasticPipelineStrategy(DDPStrategy):
         super().on_exception(exception)
 
     def teardown(self) -> None:
-        self._epoch_metric_sync.remove()
+        self._metrics.remove()
         if self._output_checks is not None:
             self._output_checks.remove()
             self._output_checks = None
         if self._cache_feed.open:
-            if not self._failed:
+            if not self._last_run.failed:
                 self.barrier("pipetx-cache")  # every rank is done with the files
             self._cache_feed.close(remove_files=self.local_rank == 0 or self._private_sites)
         if self.engine is not None:
-            if self._failed:
+            if self._last_run.failed:
                 store, path = self._store, self._split.path
                 rank = self.global_rank
                 restored = restore_after_failure(self.engine, self._agreement, self._autodp.moving, store, rank, path)
                 if restored or not store.released_blocks():  # this rank holds every block: weights can be saved
-                    self._closed_plan = self.engine.plan
+                    self._last_run.plan = self.engine.plan
             else:
                 trainer = self.lightning_module.trainer
                 if trainer.state.fn == TrainerFn.PREDICTING:  # here, as a replica without batches skips the hooks
                     gather_loop_predictions(trainer.predict_loop, self.engine.topology, self._predict_rows)
                 self.engine.share_updated_params(self.optimizers)
                 self.engine.close(restore_weights=True)
-                self._closed_plan, self._closed_fit = self.engine.plan, trainer.state.fn == TrainerFn.FITTING
+                self._last_run.plan, self._last_run.fit = self.engine.plan, trainer.state.fn == TrainerFn.FITTING
             self.engine = None
         self._layout0 = None  # loaders built before the next setup are not this run's
         if self._agreement is not None:
-            if not self._failed:
+            if not self._last_run.failed:
                 self._agreement.close()
             self._agreement = None
         restore_clipping(self.precision_plugin)

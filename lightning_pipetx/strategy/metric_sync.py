@@ -8,7 +8,8 @@ DDP would sync each metric over one rank per replica; so do these.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Generator
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,7 @@ from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 from lightning_pipetx.strategy.output_relay import wire_dtype
+from lightning_pipetx.strategy.topology import Layout, Topology
 
 
 class MetricGroups:
@@ -116,3 +118,53 @@ class _GatherFromSources:
 
 def _torchmetrics_gather() -> Callable:
     return gather_all_tensors
+
+
+class PipelineMetrics:
+    """The strategy's side of logged values and metrics: which group each metric syncs over
+    while steps run, which ranks hold a training metric's states when the epoch syncs it, and
+    the layout the epoch's training values were logged under while a transition in the epoch
+    made it differ from the running one (:attr:`logged_layout`, until the next epoch starts).
+    ``running_layout`` gives the running engine's layout (None before set-up)."""
+
+    def __init__(self, running_layout: Callable[[], Layout | None]) -> None:
+        self.running_layout = running_layout
+        self.logged_layout: Layout | None = None
+        self._evaluation = MetricGroups()
+        self._training = MetricGroups()
+        self._epoch_sync = LastStageSync(self.state_ranks)
+
+    def begin_epoch(self, module: nn.Module) -> None:
+        """A training epoch starts: the last one's values are reduced by now."""
+        self.logged_layout = None
+        self._epoch_sync.install(module)  # metrics made since the last epoch too
+
+    @contextlib.contextmanager
+    def training_step(self, module: nn.Module, topology: Topology) -> Generator[None, None, None]:
+        """Under a pipeline, metrics the last stages update in a training step sync among them."""
+        if topology.pipeline_length == 1 or not topology.is_last_stage:
+            yield
+            return
+        self._training.enter(module, topology.stage_group)
+        try:
+            yield
+        finally:
+            self._training.exit()
+
+    def evaluation_starts(self, module: nn.Module, topology: Topology) -> None:
+        if topology.pipeline_length > 1:  # every stage updates its metrics in evaluation steps
+            self._evaluation.enter(module, topology.stage_group)
+
+    def evaluation_ends(self) -> None:
+        self._evaluation.exit()
+
+    def state_ranks(self) -> list[int] | None:
+        """The ranks whose copies of a training metric hold the states (the last stages of the
+        layout the epoch trained under); None when every rank's copy does."""
+        layout = self.logged_layout or self.running_layout()
+        if layout is None or layout.pipeline_length == 1:
+            return None
+        return layout.stage_ranks(layout.pipeline_length - 1)
+
+    def remove(self) -> None:
+        self._epoch_sync.remove()

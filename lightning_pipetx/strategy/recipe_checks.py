@@ -1,0 +1,90 @@
+"""What a run asks that a pipeline or AutoCache cannot do exactly, refused at set-up or as it
+is asked: the fit's recipe (optimizers, loss scaling, callbacks, Trainer flags, the model's
+config) and models asked for every block's outputs.
+
+A refusal under a pipeline raises an error naming the fix; one that concerns the cache
+alone turns it off (``cache="auto"``) or raises (``cache=True``), through
+:class:`~lightning_pipetx.autocache.CacheControl`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_pipetx.autocache import CacheControl
+from lightning_pipetx.strategy.lightning_compat import (
+    WeightAveragingError,
+    averaged_weights_used_in,
+    refuse_time_based_validation,
+    refuse_weight_averaging,
+    weight_averaging,
+)
+from lightning_pipetx.strategy.loss_scaling import refuse_unagreed_overflow
+from lightning_pipetx.strategy.model_checks import (
+    UnsupportedOutputsError,
+    UnsupportedRecipeError,
+    block_dropping,
+    refuse_block_dropping,
+)
+
+
+def check_fit_recipe(
+    trainer: pl.Trainer,
+    optimizers: list[torch.optim.Optimizer],
+    scaler: Any,
+    blocks: torch.nn.Module,
+    pipeline_length: int,
+    world_size: int,
+    autocache: CacheControl,
+) -> None:
+    """Refuse, on every rank, what the fit's recipe asks that this layout or the cache cannot
+    run exactly (after ``configure_optimizers``)."""
+    module = trainer.lightning_module
+    refuse_unagreed_overflow(optimizers, scaler, pipeline_length)
+    refuse_weight_averaging(trainer.callbacks, pipeline_length)
+    refuse_time_based_validation(trainer, world_size)
+    dropping = block_dropping(module, blocks)
+    refuse_block_dropping(dropping, pipeline_length)
+    if dropping:
+        model, key, value = dropping[0]
+        reason = f"{model}.config.{key}={value:g} skips frozen blocks at random, which cached states cannot"
+        autocache.refuse(reason, UnsupportedRecipeError, f"Pass cache=False, or set {key} to 0.")
+    for callback in weight_averaging(trainer.callbacks):
+        _refuse_cache_for_averaging(
+            autocache, type(callback).__name__, averaged_weights_used_in(callback, module, trainer.max_epochs)
+        )
+
+
+def _refuse_cache_for_averaging(autocache: CacheControl, name: str, used_in: str | None) -> None:
+    """A weight-averaging callback puts averaged weights into the model, frozen prefix included,
+    which the cached states were not computed with: SWA for the epoch it adds to update batch
+    norms (``used_in="training"``), EMA for each validation."""
+    if used_in == "training":
+        reason = f"{name} copies averaged weights into the model, the frozen prefix's too, for an epoch of training"
+        autocache.refuse(reason, WeightAveragingError, f"Pass cache=False (or cache='auto'), or drop {name}.")
+    elif used_in == "validation":
+        autocache.refuse_validation(f"{name} validates with averaged weights, frozen prefix included")
+
+
+def refuse_collected_outputs(
+    model: str, what: str, pipeline_length: int, training: bool, cache: bool | str, autocache: CacheControl
+) -> None:
+    """A model was asked for outputs of every block (see
+    :class:`~lightning_pipetx.strategy.model_checks.CollectedOutputChecks`)."""
+    if pipeline_length > 1:
+        raise UnsupportedOutputsError(
+            f"{model} was asked for {what} under ElasticPipelineStrategy with pipeline_length={pipeline_length}: "
+            f"each rank runs only some of its blocks, so the outputs of the blocks it skips would be missing. Turn "
+            f"{what} off (in the call and in the model's config), or pass "
+            f"ElasticPipelineStrategy(pipeline_length=1)."
+        )
+    if cache is False:
+        return
+    reason = f"{model} was asked for {what}, which needs every block to run, and a cache hit skips the frozen ones"
+    if training:
+        autocache.refuse(reason, UnsupportedOutputsError, "Pass cache=False (or cache='auto').")
+    else:
+        autocache.refuse_validation(reason)
