@@ -47,6 +47,8 @@ class BlockSplit:
         post_by_use: ``(name, parameter)`` pairs registered in ``pre`` (or on the chain) from
             which no block's input is computed (a head registered before the backbone); they
             do not count as ``pre``.
+        post_modules: ``(name, module)`` pairs of ``pre`` without weights that the forward
+            calls only inside or after the blocks (a head's dropout); they do not count as ``pre``.
     """
 
     root: nn.Module
@@ -57,6 +59,7 @@ class BlockSplit:
     pre_direct_params: tuple[tuple[str, nn.Parameter], ...]
     pre_by_use: tuple[tuple[str, nn.Parameter], ...] = ()
     post_by_use: tuple[tuple[str, nn.Parameter], ...] = ()
+    post_modules: tuple[tuple[str, nn.Module], ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -90,6 +93,12 @@ class BlockSplit:
         params = dict(self.root.named_parameters())
         return replace(self, post_by_use=tuple((name, params[name]) for name in names))
 
+    def with_post_modules(self, names: list[str]) -> BlockSplit:
+        """This split with the modules ``names`` of ``pre`` (without weights, called only inside or
+        after the blocks) not counted as ``pre``."""
+        modules = dict(self.root.named_modules())
+        return replace(self, post_modules=tuple((name, modules[name]) for name in names))
+
     def block_parameters(self, index: int) -> Iterator[nn.Parameter]:
         return self.blocks[index].parameters()
 
@@ -100,9 +109,12 @@ class BlockSplit:
         return [m for _, m in self.pre if self.runs_before_blocks(m)] + [self.blocks[i] for i in range(num_frozen)]
 
     def runs_before_blocks(self, module: nn.Module) -> bool:
-        """Whether ``module`` (of ``pre``) has no weights, or one not found to feed no block."""
+        """Whether ``module`` (of ``pre``) has a weight not found to feed no block, or has no weights
+        and was not found to run only inside or after the blocks."""
         params, after = list(module.parameters()), {id(p) for _, p in self.post_by_use}
-        return not params or not all(id(p) in after for p in params)
+        if not params:
+            return all(module is not late for _, late in self.post_modules)
+        return not all(id(p) in after for p in params)
 
     def prefix_parameters(self, num_frozen: int) -> list[nn.Parameter]:
         """Parameters of ``pre`` and blocks ``[0, num_frozen)``.

@@ -15,6 +15,11 @@ rank, is ``pre``. Reads the trace cannot place (a LightningModule's own code bef
 first module) count as after the blocks: a weight is never moved on doubtful evidence, it only
 keeps training.
 
+Modules of ``pre`` without weights (a dropout) are placed by their calls: one the step called
+only inside or after the blocks (the classifier's dropout XLM-R's token classifier registers
+before ``self.roberta``) is not part of the prefix, and keeps its training mode when the
+prefix freezes (:meth:`PreTrace.post_modules`).
+
 The other way round, a trainable weight registered before the block list that no block's input
 is computed from (a head assigned before the backbone, as XLM-R's classifier is, or a weight of
 the LightningModule used in its loss) is not ``pre``: the trace walks the autograd graph of
@@ -32,7 +37,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_pipetx.blocks import BlockSplit
 
-_BEFORE, _INSIDE, _AFTER = 0, 1, 2
+_BEFORE, _INSIDE, _AFTER, _UNPLACED = 0, 1, 2, 3
 
 
 def _graph_leaves(values: list[Any], seen: set[Any]) -> set[int]:
@@ -88,8 +93,11 @@ class PreTrace:
         # per pre weight: whether a block's input was computed from it, and whether the step read it
         self.feeds_blocks = torch.zeros(len(self.pre_names_registered), dtype=torch.bool)
         self.pre_reads = torch.zeros(len(self.pre_names_registered), dtype=torch.bool)
+        # pre modules without weights: whether the step called each inside or after the blocks, and elsewhere
+        self.module_names = [name for name, module in split.pre if next(module.parameters(), None) is None]
+        self.module_calls = torch.zeros(len(self.module_names), 2, dtype=torch.bool)
         self._walked: set[Any] = set()
-        self._phase = _AFTER
+        self._phase = _UNPLACED
         self._mode: _ReadRecorder | None = None
         self._handles: list[Any] = []
 
@@ -99,7 +107,7 @@ class PreTrace:
                 continue
             index = self._index.get(id(value))
             if index is not None:
-                self.reads[index, self._phase] = True
+                self.reads[index, min(self._phase, _AFTER)] = True
             index = self._pre_index.get(id(value))
             if index is not None:
                 self.pre_reads[index] = True
@@ -107,6 +115,12 @@ class PreTrace:
     def _set_phase(self, phase: int) -> Any:
         def hook(*_: Any) -> None:
             self._phase = phase
+
+        return hook
+
+    def _record_call(self, index: int) -> Any:
+        def hook(*_: Any) -> None:
+            self.module_calls[index, 0 if self._phase in (_INSIDE, _AFTER) else 1] = True
 
         return hook
 
@@ -123,14 +137,17 @@ class PreTrace:
         if self._pre_index:
             for block in blocks:
                 self._handles.append(block.register_forward_pre_hook(self._record_block_inputs, with_kwargs=True))
-        if self.names:
+        modules = dict(self.split.root.named_modules())
+        for index, name in enumerate(self.module_names):
+            self._handles.append(modules[name].register_forward_pre_hook(self._record_call(index)))
+        if self.names or self.module_names:
             first_link = self.split.root.get_submodule(self.split.path.split(".")[0])
             if first_link is not blocks:
                 self._handles.append(first_link.register_forward_pre_hook(self._set_phase(_BEFORE)))
             self._handles.append(blocks[0].register_forward_pre_hook(self._set_phase(_INSIDE)))
             self._handles.append(blocks[len(blocks) - 1].register_forward_hook(self._set_phase(_AFTER)))
+        self._phase = _UNPLACED
         if self.names or self._pre_index:
-            self._phase = _AFTER
             self._mode = _ReadRecorder(self)
             self._mode.__enter__()
 
@@ -161,3 +178,9 @@ class PreTrace:
             for name, fed, was_read in zip(self.pre_names_registered, feeds.tolist(), read.tolist())
             if was_read and not fed and params[name].requires_grad
         ]
+
+    def post_modules(self, calls: torch.Tensor | None = None) -> list[str]:
+        """Modules of ``pre`` without weights that the step called, and only inside or after the
+        blocks, by ``calls``: :attr:`module_calls` (this trace's, or every rank's by a maximum)."""
+        calls = self.module_calls if calls is None else calls > 0
+        return [name for name, (late, elsewhere) in zip(self.module_names, calls.tolist()) if late and not elsewhere]

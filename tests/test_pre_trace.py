@@ -244,3 +244,68 @@ def test_a_weight_is_moved_out_of_pre_only_on_evidence():
     module.training_step(torch.randn(2, 4), 0).backward()
     trace.stop()
     assert trace.post_names() == []  # "later" was not read; "bias" feeds the last block as it is
+
+
+class DropoutsAroundTheBlocks(pl.LightningModule):
+    """Two dropouts registered before the block list: one applied to the blocks' input, one in the head."""
+
+    def __init__(self):
+        super().__init__()
+        self.input_drop, self.head_drop = torch.nn.Dropout(0.1), torch.nn.Dropout(0.1)
+        self.model = tm.tiny_sequential(seed=0, dropout=0.0)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.model.blocks(self.input_drop(self.model.embed(x)))
+        return torch.nn.functional.mse_loss(self.model.head(self.head_drop(h)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class TrainingModes(pl.Callback):
+    """The training mode of the named modules at each epoch's first training step."""
+
+    def __init__(self, *names: str):
+        self.names, self.modes = names, []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if batch_idx == 0:
+            self.modes.append([module.get_submodule(name).training for name in self.names])
+
+
+def test_a_dropout_registered_before_the_blocks_but_called_after_them_keeps_training():
+    module, freeze = DropoutsAroundTheBlocks(), FreezeCallback(alpha=1 / 3, signal="schedule")
+    modes = TrainingModes("input_drop", "head_drop", "model.blocks.0")
+    tm.make_trainer([freeze, modes], max_epochs=3).fit(module, tm.task_loader("sequential", size=16, batch_size=4))
+    assert [name for name, _ in freeze.split.pre] == ["input_drop", "head_drop", "model.embed"]
+    assert modes.modes == [[True, True, True], [False, True, False], [False, True, False]]
+    state = freeze.state_dict()
+    assert state["post_modules"] == ["head_drop"]
+    resumed = FreezeCallback()
+    resumed._split = find_blocks(DropoutsAroundTheBlocks())
+    resumed.load_state_dict(state)
+    assert [name for name, _ in resumed.split.post_modules] == ["head_drop"]
+
+
+def test_xlm_roberta_token_classifiers_dropout_keeps_training_as_the_encoder_freezes():
+    from transformers import XLMRobertaConfig, XLMRobertaForTokenClassification
+
+    class TokenTagger(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            config = XLMRobertaConfig(**tm._offset_position_sizes(0.1, 3), attn_implementation="eager")
+            self.model = tm._seeded(0, lambda: XLMRobertaForTokenClassification(config))
+
+        def training_step(self, batch, batch_idx):
+            labels = batch["labels"][:, None].expand_as(batch["input_ids"]).contiguous()
+            return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    freeze = FreezeCallback(alpha=1 / 3, signal="schedule")
+    modes = TrainingModes("model.dropout", "model.roberta.embeddings")
+    tm.make_trainer([freeze, modes], max_epochs=2).fit(TokenTagger(), tm.task_loader("bert", size=16, batch_size=4))
+    assert freeze.frozen_blocks > 0 and freeze.state_dict()["post_modules"] == ["model.dropout"]
+    assert modes.modes == [[True, True], [True, False]]  # XLM-R registers the classifier's dropout before roberta

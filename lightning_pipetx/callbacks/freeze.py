@@ -118,6 +118,7 @@ class FreezeCallback(Callback):
         self._block_norms = BlockGradientNorms()
         self._pre_weights: list[str] | None = None  # found by the first training step's trace
         self._post_weights: list[str] = []  # the same
+        self._post_modules: list[str] = []  # the same
         self._trace: PreTrace | None = None
         self._epoch_samples = 0
         self._epoch_seconds = 0.0
@@ -180,11 +181,14 @@ class FreezeCallback(Callback):
     def _apply_trace(self) -> None:
         if self._split is None or self._pre_weights is None:
             return
-        names = {name for name, _ in self._split.root.named_parameters()}
-        if names.issuperset(self._pre_weights + self._post_weights):
-            self._split = self._split.with_pre_weights(self._pre_weights).with_post_weights(self._post_weights)
+        root = self._split.root
+        names = {name for name, _ in root.named_parameters()}
+        modules = {name for name, _ in root.named_modules()}
+        if names.issuperset(self._pre_weights + self._post_weights) and modules.issuperset(self._post_modules):
+            split = self._split.with_pre_weights(self._pre_weights).with_post_weights(self._post_weights)
+            self._split = split.with_post_modules(self._post_modules)
         else:  # found on another model: trace this one's first step
-            self._pre_weights, self._post_weights = None, []
+            self._pre_weights, self._post_weights, self._post_modules = None, [], []
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._split is None:  # the model was built in configure_model
@@ -240,6 +244,8 @@ class FreezeCallback(Callback):
         seen = torch.stack([trace.feeds_blocks, trace.pre_reads]).to(torch.float64)
         seen = all_reduce_max(seen) if trace.pre_names_registered else seen
         self._pre_weights, self._post_weights = trace.pre_names(reads), trace.post_names(seen)
+        calls = all_reduce_max(trace.module_calls.to(torch.float64)) if trace.module_names else trace.module_calls
+        self._post_modules = trace.post_modules(calls)
         self._apply_trace()
         for path in block_lists_in_pre(self.split):
             rank_zero_warn(
@@ -252,6 +258,11 @@ class FreezeCallback(Callback):
         if self._post_weights and trainer.is_global_zero:
             log.info(
                 "pipetx: %s, registered before the blocks but feeding none, train on", ", ".join(self._post_weights)
+            )
+        if self._post_modules and trainer.is_global_zero:
+            log.info(
+                "pipetx: %s, registered before the blocks but called after them, keep their mode",
+                ", ".join(self._post_modules),
             )
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -435,6 +446,7 @@ class FreezeCallback(Callback):
             "observed": None if self._observed is None else self._mean_observed(),  # not judged yet
             "pre_weights": self._pre_weights,
             "post_weights": self._post_weights,
+            "post_modules": self._post_modules,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -446,6 +458,7 @@ class FreezeCallback(Callback):
         self._norm_steps = int(state_dict.get("norm_steps", 0))
         self._pre_weights = state_dict.get("pre_weights")
         self._post_weights = state_dict.get("post_weights") or []
+        self._post_modules = state_dict.get("post_modules") or []
         self._apply_trace()
         if self.guard is not None and state_dict.get("guard") is not None:
             self.guard.load_state_dict(state_dict["guard"])
