@@ -506,6 +506,35 @@ def test_gradient_norms_are_measured_unscaled_under_fp16_with_a_fused_optimizer(
     assert states[True]["norm_sums"] == pytest.approx(states[False]["norm_sums"], rel=1e-6 if device == "cpu" else 1e-3)
 
 
+class _HeadOverflowAtStep1(tm.TinySequentialRegressor):
+    def on_after_backward(self):
+        if self.global_step == 1:
+            self.model.head.weight.grad.fill_(float("inf"))
+
+
+class _SkippedSteps(Callback):
+    """Optimizer steps the loss scaler skipped (its scale fell)."""
+
+    def __init__(self):
+        self.skipped = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._scale = trainer.precision_plugin.scaler.get_scale()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.precision_plugin.scaler.get_scale() < self._scale:
+            self.skipped.append(batch_idx)
+
+
+def test_a_step_skipped_for_an_overflow_outside_the_blocks_is_not_measured():
+    fc, skipped = FreezeCallback(freeze_interval=2), _SkippedSteps()  # no decision: the interval's counts stay
+    peek = _NormsAtEpochEnd(fc)
+    plugin = pl.plugins.MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))
+    make_trainer([peek, fc, skipped], max_epochs=1, plugins=[plugin]).fit(_HeadOverflowAtStep1(seed=0), seq_loader())
+    assert 1 in skipped.skipped
+    assert peek.states[0]["norm_steps"] == 4 - len(skipped.skipped)
+
+
 class _NoStepRegressor(tm.TinySequentialRegressor):
     """Returns no loss: Lightning takes no optimizer step, so no gradient is ever measured."""
 

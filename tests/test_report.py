@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -166,4 +167,22 @@ def test_resume_from_an_end_of_epoch_checkpoint_keeps_every_epoch(tmp_path):
     assert [r["epoch"] for r in first.records] == [0, 1]
     resumed = fit(max_epochs=3, ckpt_path=str(tmp_path / "epoch=0.ckpt"))
     assert [r["epoch"] for r in resumed.records] == [0, 1, 2]
-    assert resumed.records[0] == first.records[0]
+    # The epoch-end checkpoint holds the epoch's time until it was written, before the rest of its end.
+    first_record, resumed_record = dict(first.records[0]), dict(resumed.records[0])
+    assert resumed_record.pop("train_seconds") > 0 and first_record.pop("train_seconds") > 0
+    assert resumed_record == first_record
+
+
+class SlowEpochEnd(Callback):
+    """Epoch-end work (as a freeze decision and a transition are) that takes at least 0.2 s."""
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("position", ["first", "last"])
+def test_the_epoch_end_work_counts_in_the_epochs_time_in_any_callback_position(tmp_path, position):
+    report = EpochReport(output_dir=str(tmp_path), plot=False, verbose=False)
+    callbacks = [report, SlowEpochEnd()] if position == "first" else [SlowEpochEnd(), report]
+    make_trainer(callbacks, max_epochs=2).fit(seq_module(), seq_loader())
+    assert all(record["train_seconds"] >= 0.2 for record in report.records)

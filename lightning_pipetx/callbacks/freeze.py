@@ -17,15 +17,18 @@ from lightning.pytorch.utilities.data import extract_batch_size
 
 from lightning_pipetx.blocks import BlockListNotFoundError, BlockSplit, block_lists_in_pre, find_blocks
 from lightning_pipetx.callbacks.block_norms import BlockGradientNorms
+from lightning_pipetx.callbacks.freeze_boundary import FreezeBoundary
 from lightning_pipetx.callbacks.freeze_context import (
     agreed_block_path,
     all_reduce_max,
     all_reduce_mean,
     all_reduce_min,
+    gradients_outside_blocks_finite,
     loss_scale_left_in,
     num_replicas,
     ran_every_batch,
     rewrap_ddp,
+    skips_overflowed_steps,
 )
 from lightning_pipetx.callbacks.freeze_guard import FreezeGuard
 from lightning_pipetx.callbacks.freeze_rule import FreezeDecision, decide
@@ -116,6 +119,7 @@ class FreezeCallback(Callback):
         self._step_rows: list[torch.Tensor] = []
         self._split: BlockSplit | None = None
         self._block_norms = BlockGradientNorms()
+        self._boundary = FreezeBoundary()
         self._pre_weights: list[str] | None = None  # found by the first training step's trace
         self._post_weights: list[str] = []  # the same
         self._post_modules: list[str] = []  # the same
@@ -265,6 +269,10 @@ class FreezeCallback(Callback):
                 ", ".join(self._post_modules),
             )
 
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._boundary.remove()  # the model leaves fit without hooks of this callback's
+
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self._trace is not None:
             self._trace.stop()
@@ -281,6 +289,7 @@ class FreezeCallback(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
+        self._boundary.check(self.split, self._runs_block(trainer, self.frozen_blocks))
         if not self._measures_gradients():
             return
         # Kept where the gradients live, without a host read per step. Every rank records every
@@ -293,10 +302,21 @@ class FreezeCallback(Callback):
         scale = loss_scale_left_in(trainer, optimizer, row.device)
         if scale is not None:
             norms /= scale
-        row[-2] = torch.isfinite(norms).all()  # fp16 loss scaling skips overflowed steps
+        finite = torch.isfinite(norms).all()
+        if skips_overflowed_steps(trainer):  # fp16 loss scaling: an overflow anywhere skips the step
+            finite &= gradients_outside_blocks_finite(optimizer, self.split)
+        row[-2] = finite
         self._step_rows.append(row)
         if len(self._step_rows) >= _ROWS_AGREED_AT_ONCE:  # on every rank at once: the same steps
             self._agree_on_steps()
+
+    @staticmethod
+    def _runs_block(trainer: pl.Trainer, index: int) -> bool:
+        """Whether this rank holds block ``index``'s weights (under a pipeline, its stage's blocks only)."""
+        strategy = trainer.strategy
+        if isinstance(strategy, ElasticPipelineStrategy) and strategy.engine is not None:
+            return index in strategy.engine.block_range
+        return True
 
     def _measures_gradients(self) -> bool:
         """Whether decisions use gradient norms (measured each step, read at a decision): not at
@@ -420,6 +440,7 @@ class FreezeCallback(Callback):
             param.requires_grad_(False)
             param.grad = None
         self._set_prefix_eval()
+        self._boundary.install(self.split, self.frozen_blocks)
         on_freeze = getattr(trainer.strategy, "on_freeze", None)
         if callable(on_freeze):  # ElasticPipelineStrategy re-plans its layout
             on_freeze(trainer, self.frozen_blocks, self.split)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_pipetx.blocks import BlockSplit
 from lightning_pipetx.strategy.elastic_pipeline import ElasticPipelineStrategy
 from lightning_pipetx.strategy.loss_scaling import unscales_in_own_step
 
@@ -27,6 +28,27 @@ def loss_scale_left_in(
     if not unscales_in_own_step(optimizer):
         return None
     return scaler.scale(torch.ones((), device=device)).to(torch.float64)
+
+
+def skips_overflowed_steps(trainer: pl.Trainer) -> bool:
+    """Whether a loss scaler skips the optimizer step of gradients that overflowed (``precision="16-mixed"``)."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return scaler is not None and scaler.is_enabled()
+
+
+def gradients_outside_blocks_finite(optimizer: torch.optim.Optimizer, split: BlockSplit) -> torch.Tensor:
+    """Whether every gradient ``optimizer`` steps outside ``split``'s blocks (embeddings, head) is
+    finite, on the device (no host read)."""
+    in_blocks = {id(p) for p in split.blocks.parameters()}
+    grads = [
+        p.grad
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p.grad is not None and id(p) not in in_blocks
+    ]
+    if not grads:
+        return torch.tensor(True)
+    return torch.isfinite(torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False))
 
 
 def ran_every_batch(trainer: pl.Trainer) -> bool:

@@ -33,14 +33,16 @@ class EpochReport(Callback):
     After every training epoch, reads ``trainer.callback_metrics`` and records the epoch,
     ``pipetx/frozen_blocks``, ``pipetx/samples_per_sec``, the validation metric ``monitor``
     and, where logged, ``pipetx/pipeline_length``, ``pipetx/replicas`` and
-    ``pipetx/cache_hit_rate``, plus the epoch's training wall time (validation excluded).
-    An epoch is recorded once all of its metrics are final (when the next epoch starts, or
-    when training ends), so the order of callbacks does not matter.
+    ``pipetx/cache_hit_rate``, plus the epoch's training wall time: from its start to the
+    next epoch's (or the end of training), validation excluded, the epoch-end work (a freeze
+    decision and a transition, checkpoints) included. An epoch is recorded then, once all of
+    its metrics and its time are final, so the order of callbacks does not matter.
 
     Global rank 0 prints one aligned line per epoch and, at the end of fit, a summary table,
     ``<output_dir>/timeline.json`` and ``<output_dir>/timeline.png``. Every rank keeps the
     same records in :attr:`records`; a checkpoint carries the records of the epochs completed
-    before it was written, and resuming continues them.
+    before it was written (one written at an epoch's end, that epoch's time until then), and
+    resuming continues them.
 
     Args:
         output_dir: where the timeline files go; ``None`` uses ``trainer.log_dir``.
@@ -97,14 +99,9 @@ class EpochReport(Callback):
         self._validated = True
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        _synchronize(pl_module)
-        seconds = None
-        if self._epoch_start is not None:  # None: resumed from a checkpoint taken inside this epoch's end
-            seconds = time.perf_counter() - self._epoch_start - self._val_seconds
-        self._epoch_start = None
-        # Callbacks listed after this one, and the module's own hook, may still log for
-        # this epoch: the record is completed from callback_metrics in ``_flush``.
-        self._pending = {"epoch": trainer.current_epoch, "train_seconds": seconds, "validated": self._validated}
+        # Callbacks listed after this one, and the module's own hook, may still log or work for
+        # this epoch: the record is completed in ``_flush``.
+        self._pending = {"epoch": trainer.current_epoch, "validated": self._validated}
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._flush(trainer, pl_module)
@@ -154,7 +151,8 @@ class EpochReport(Callback):
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
-        record = self._complete(pending, trainer)
+        record = self._complete({**pending, "train_seconds": self._seconds_so_far(pl_module)}, trainer)
+        self._epoch_start = None
         self.records.append(record)
 
         new_columns = self._update_columns(record)
@@ -162,6 +160,13 @@ class EpochReport(Callback):
             if new_columns:
                 pl_module.print(self._header(self._columns))
             pl_module.print(self._line(record, self._columns))
+
+    def _seconds_so_far(self, pl_module: pl.LightningModule) -> float | None:
+        """The epoch's training time until now; None when it was resumed inside its end."""
+        if self._epoch_start is None:
+            return None
+        _synchronize(pl_module)
+        return time.perf_counter() - self._epoch_start - self._val_seconds
 
     def _complete(self, pending: dict[str, Any], trainer: pl.Trainer) -> dict[str, Any]:
         """The epoch's record, from its timing and the metrics logged for it."""
@@ -261,7 +266,8 @@ class EpochReport(Callback):
         # A checkpoint written at an epoch's end carries that epoch, still pending here.
         if self._pending is not None:
             state = checkpoint["callbacks"][self.state_key]
-            state["records"] = [*self.records, self._complete(self._pending, trainer)]
+            pending = {**self._pending, "train_seconds": self._seconds_so_far(pl_module)}
+            state["records"] = [*self.records, self._complete(pending, trainer)]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.records = list(state_dict.get("records", []))

@@ -1,0 +1,111 @@
+"""FreezeBoundary: the frozen prefix stays in eval mode and out of the backward while steps run."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import tiny_models as tm
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from lightning_pipetx import FreezeCallback
+
+FREEZE_ONE_PER_EPOCH = dict(alpha=0.25, signal="schedule")  # 4 blocks: 1, then 2 frozen
+
+
+class TrainsInItsStep(tm.TinySequentialRegressor):
+    """A training_step that puts the whole model in training mode, as code ported from a loop may."""
+
+    def training_step(self, batch, batch_idx):
+        self.train()
+        return super().training_step(batch, batch_idx)
+
+
+class ModeAfterForward(pl.Callback):
+    """``module.training`` of block 0 while its forward ran, at the first training step of each epoch."""
+
+    def __init__(self):
+        self.modes, self._handle = [], None
+
+    def on_train_epoch_start(self, trainer, module):
+        def record(block, args, output):
+            self.modes.append(block.training)
+            self._handle.remove()
+
+        self._handle = module.model.blocks[0].register_forward_hook(record)
+
+
+def test_a_training_step_that_calls_train_keeps_the_frozen_prefix_in_eval_mode():
+    module, probe = TrainsInItsStep(seed=0), ModeAfterForward()
+    tm.make_trainer([FreezeCallback(**FREEZE_ONE_PER_EPOCH), probe], max_epochs=3).fit(
+        module, tm.task_loader("sequential", size=16, batch_size=4)
+    )
+    assert probe.modes == [True, False, False]
+    module.train()  # after fit the model is the user's again
+    module.model.blocks[0](torch.zeros(1, 16))
+    assert module.model.blocks[0].training
+
+
+class CheckpointedBlocks(tm.TinySequentialRegressor):
+    """Each block under torch's activation checkpointing, reentrant or not."""
+
+    def __init__(self, use_reentrant: bool):
+        super().__init__(seed=0, dropout=0.0)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x):
+        h = self.model.embed(x)
+        for block in self.model.blocks:
+            h = checkpoint(block, h, use_reentrant=self.use_reentrant)
+        return self.model.head(self.model.norm(h))
+
+
+def test_reentrant_checkpointing_is_refused_once_a_frozen_prefix_leaves_the_blocks_without_gradient():
+    # Once block 0 is frozen, block 1's input needs no gradient, and a reentrant segment gives block 1
+    # (and every later checkpointed block) none: they would silently stop training.
+    trainer = tm.make_trainer([FreezeCallback(**FREEZE_ONE_PER_EPOCH)], max_epochs=3)
+    with pytest.raises(
+        RuntimeError, match="block 1, the first block still training, got no gradient.*use_reentrant=False"
+    ):
+        trainer.fit(CheckpointedBlocks(use_reentrant=True), tm.task_loader("sequential", size=16, batch_size=4))
+    assert trainer.current_epoch == 1 and trainer.global_step == 4  # refused at the first step after the freeze
+
+
+def test_non_reentrant_checkpointing_keeps_every_active_block_training():
+    module = CheckpointedBlocks(use_reentrant=False)
+    freeze = FreezeCallback(**FREEZE_ONE_PER_EPOCH)
+    before = [block.fc1.weight.detach().clone() for block in module.model.blocks]
+    tm.make_trainer([freeze], max_epochs=3).fit(module, tm.task_loader("sequential", size=16, batch_size=4))
+    assert freeze.frozen_blocks == 3
+    assert all(not torch.equal(b, block.fc1.weight) for b, block in zip(before, module.model.blocks))
+
+
+class BackwardReaches(pl.Callback):
+    """Whether the backward of the last epoch's steps reached block 0's output."""
+
+    def __init__(self):
+        self.reached = []
+
+    def on_train_start(self, trainer, module):
+        def watch(block, args, output):
+            hidden = output[0] if isinstance(output, tuple) else output
+            if trainer.training and trainer.current_epoch == trainer.max_epochs - 1 and hidden.requires_grad:
+                hidden.register_hook(lambda grad: self.reached.append(True))
+
+        module.model.bert.encoder.layer[0].register_forward_hook(watch)
+
+
+def test_hugging_face_gradient_checkpointing_stops_the_backward_at_the_first_active_block():
+    # gradient_checkpointing_enable makes the embeddings' output require a gradient (for reentrant
+    # segments): without the boundary, every step's backward ran through the frozen blocks.
+    weights = {}
+    for checkpointed in (False, True):
+        module = tm.TinyBertClassifier(seed=0, dropout=0.0)
+        if checkpointed:
+            module.model.gradient_checkpointing_enable()
+        reaches, freeze = BackwardReaches(), FreezeCallback(**FREEZE_ONE_PER_EPOCH)
+        tm.make_trainer([freeze, reaches], max_epochs=3).fit(module, tm.task_loader("bert", size=16, batch_size=4))
+        assert freeze.frozen_blocks == 3 and reaches.reached == []
+        weights[checkpointed] = {name: p.detach().clone() for name, p in module.named_parameters()}
+    for name, value in weights[False].items():  # the cut changes no weight's gradient
+        torch.testing.assert_close(weights[True][name], value, rtol=0, atol=1e-6, msg=name)
