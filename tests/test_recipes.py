@@ -307,12 +307,14 @@ def test_an_lr_schedule_sized_in_configure_optimizers_sees_the_pipeline_s_batche
         torch.testing.assert_close(final[key], value, atol=1e-5, rtol=1e-4, msg=key)
 
 
-def test_a_transition_keeps_the_steps_of_an_epoch_where_more_replicas_would_pad_one_more_batch(tmp_path):
+@pytest.mark.parametrize("mode", ["scheduled_uneven", "scheduled_uneven_sampler"])
+def test_a_transition_keeps_the_steps_of_an_epoch_where_more_replicas_would_pad_one_more_batch(tmp_path, mode):
     # 39 samples, global batch 8, drop_last: 4 batches an epoch on one replica. On two, Lightning's
     # sampler pads each share to 20 samples, 5 batches of 4: the schedule, sized for 12 steps at the
-    # start, would run 14 and end at a negative learning rate.
-    run_workers("recipes_worker.py", 2, str(tmp_path), "scheduled_uneven")
-    for report in _reports(tmp_path, "scheduled_uneven"):
+    # start, would run 14 and end at a negative learning rate. A sampler of the user's is padded
+    # the same way by the DistributedSamplerWrapper Lightning puts around it.
+    run_workers("recipes_worker.py", 2, str(tmp_path), mode)
+    for report in _reports(tmp_path, mode):
         assert [e["layout"] for e in report["epochs"]] == ["2x1", "1x2", "1x2"]
         assert [e["batches"] for e in report["epochs"]] == [4, 4, 4]
         assert report["estimated_steps"] == report["global_step"] == 12

@@ -3,6 +3,7 @@ stays the user's), and sharded so that samples stay on their replica (:func:`sta
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -54,24 +55,34 @@ def keep_epoch_length(loader: DataLoader, batch0: tuple[int | None, int]) -> Dat
     """``loader`` (re-batched for more replicas than ``batch0 = (batch_size, replicas)`` was for)
     with as many batches per epoch as on ``batch0``'s replicas.
 
-    With ``drop_last=True``, Lightning's ``DistributedSampler`` pads each replica's share by
-    repeating samples, so more replicas can make one more global batch an epoch (39 samples,
-    global batch 8: 4 batches on one replica, 5 on two). An LR schedule sized by
-    ``trainer.estimated_stepping_batches`` at the start would then run past its end. Cutting
-    the shares instead (the sampler's ``drop_last``) gives ``len(dataset) // global_batch``
-    batches on any number of replicas that divides the global batch, what padding gives on fewer."""
+    With ``drop_last=True``, Lightning's ``DistributedSampler`` (or the ``DistributedSamplerWrapper``
+    it puts around a sampler of the user's) pads each replica's share by repeating samples, so more
+    replicas can make one more global batch an epoch (39 samples, global batch 8: 4 batches on one
+    replica, 5 on two). An LR schedule sized by ``trainer.estimated_stepping_batches`` at the start
+    would then run past its end. Cutting the shares instead (the sampler's ``drop_last``) gives
+    ``len(sampler.dataset) // global_batch`` batches on any number of replicas that divides the
+    global batch, what padding gives on fewer."""
     size0, replicas0 = batch0
     sampler = loader.sampler
-    if size0 is None or not loader.drop_last or type(sampler) is not DistributedSampler or sampler.drop_last:
+    if size0 is None or not loader.drop_last or not isinstance(sampler, DistributedSampler) or sampler.drop_last:
         return loader
-    batches0 = math.ceil(len(loader.dataset) / replicas0) // size0  # padded shares on batch0's replicas
+    batches0 = math.ceil(len(sampler.dataset) / replicas0) // size0  # padded shares on batch0's replicas
     if len(loader) == batches0:
         return loader
-    cut = DistributedSampler(
-        loader.dataset, sampler.num_replicas, sampler.rank, sampler.shuffle, sampler.seed, drop_last=True
-    )
-    shorter = like(loader, sampler=cut)
+    shorter = like(loader, sampler=cut_shares(sampler))
     return shorter if len(shorter) == batches0 else loader
+
+
+def cut_shares(sampler: DistributedSampler) -> DistributedSampler:
+    """A copy of ``sampler`` (its class, replicas, seed and what it wraps) whose shares are cut to
+    one length rather than padded: what ``drop_last=True`` sets up in ``DistributedSampler``, whose
+    ``__iter__`` deals the first ``total_size`` indices. A subclass is cut as far as it deals through
+    these attributes; the share kept is the start of each padded share, in the same order."""
+    cut = copy.copy(sampler)
+    cut.drop_last = True
+    cut.num_samples = len(sampler.dataset) // sampler.num_replicas
+    cut.total_size = cut.num_samples * sampler.num_replicas
+    return cut
 
 
 def like(loader: DataLoader, batch_size: int | None = None, sampler: Any = None) -> DataLoader:

@@ -3,10 +3,11 @@
 Lightning shards every distributed training loader with a ``DistributedSampler``, which deals
 the samples to the replicas anew every epoch: a sample cached on one node is next read on
 another, and a node-local cache misses. :class:`StableShardSampler` gives replica ``r`` the
-``r``-th contiguous slice of one seeded permutation of the dataset, the same every epoch, and
-shuffles only within it. When the number of replicas changes from ``R`` to ``k * R`` (or
-``R / k``), every new slice lies inside one old slice, so with replicas numbered node by node
-the samples stay on their node.
+``r``-th of ``R`` contiguous slices of one seeded permutation of the ``n`` samples, cut at
+``r * n // R`` (their sizes differ by one at most), the same every epoch, and shuffles only
+within it. When the number of replicas changes from ``R`` to ``k * R``, the old cuts are among
+the new ones, so every new slice lies inside one old slice (and from ``k * R`` to ``R`` joins
+``k`` of them): with replicas numbered node by node, the samples stay on their node.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ class StableShardSampler(Sampler[int]):
     """Replica ``rank``'s fixed share of ``num_samples`` indices, reshuffled within every epoch.
 
     Like ``DistributedSampler``: every index once per epoch over all replicas, the shares
-    padded by repeating indices (or cut, with ``drop_last``) to one length, ``set_epoch``
-    reseeding the order.
+    brought to one length by repeating one index of the shorter shares (or, with ``drop_last``,
+    leaving one out of the longer ones), ``set_epoch`` reseeding the order. The index of a
+    share repeated or left out changes with the epoch, each in turn: none is left out for good.
     """
 
     def __init__(
@@ -46,24 +48,34 @@ class StableShardSampler(Sampler[int]):
         else:
             self.shard_size = math.ceil(num_samples / num_replicas)
 
-    def shard(self) -> torch.Tensor:
-        """This replica's indices, in the run's fixed order."""
+    def order(self) -> torch.Tensor:
+        """All indices in the run's fixed order, which the replicas slice."""
         if self.shuffle:
-            order = torch.randperm(self.num_samples_total, generator=torch.Generator().manual_seed(self.seed))
-        else:
-            order = torch.arange(self.num_samples_total)
-        total = self.shard_size * self.num_replicas
-        if total > len(order):
-            order = torch.cat([order, order.repeat(math.ceil(total / len(order)))[: total - len(order)]])
-        start = self.rank * self.shard_size
-        return order[start : start + self.shard_size]
+            return torch.randperm(self.num_samples_total, generator=torch.Generator().manual_seed(self.seed))
+        return torch.arange(self.num_samples_total)
+
+    def shard(self) -> torch.Tensor:
+        """This replica's indices, in the run's fixed order, before they are brought to one length."""
+        total, replicas = self.num_samples_total, self.num_replicas
+        return self.order()[self.rank * total // replicas : (self.rank + 1) * total // replicas]
 
     def __iter__(self) -> Iterator[int]:
-        indices = self.shard()
+        indices = self._to_length(self.shard())
         if self.shuffle:
             generator = torch.Generator().manual_seed(self.seed + 1 + self.epoch)
             indices = indices[torch.randperm(len(indices), generator=generator)]
         return iter(indices.tolist())
+
+    def _to_length(self, shard: torch.Tensor) -> torch.Tensor:
+        """``shard`` brought to ``shard_size``: the index at position ``epoch mod len(shard)``
+        left out of a longer shard, or repeated in a shorter one, so each takes its turn."""
+        if len(shard) > self.shard_size:
+            at = self.epoch % len(shard)
+            return torch.cat([shard[:at], shard[at + 1 :]])
+        if len(shard) < self.shard_size:
+            pool = shard if len(shard) else self.order()  # fewer samples than replicas
+            return torch.cat([shard, pool[self.epoch % len(pool)].reshape(1)])
+        return shard
 
     def __len__(self) -> int:
         return self.shard_size

@@ -1,7 +1,7 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
 rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | two_calls) [resume CKPT]
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | two_calls) [resume CKPT]
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do) and
 "own_sampler" turns Lightning's distributed sampler off: both give the two stages different
@@ -42,6 +42,19 @@ from worker_exit import run_worker
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 
 
+class SeededOrder(torch.utils.data.Sampler):
+    """A user's sampler: one fixed permutation of ``size`` indices."""
+
+    def __init__(self, size):
+        self.size = size
+
+    def __iter__(self):
+        return iter(torch.randperm(self.size, generator=torch.Generator().manual_seed(1)).tolist())
+
+    def __len__(self):
+        return self.size
+
+
 class SummaryAtFitStart(Callback):
     def on_fit_start(self, trainer, pl_module):
         self.total_parameters = summarize(pl_module).total_parameters
@@ -76,6 +89,7 @@ class EpochSteps(Callback):
 EPOCHS = {
     "scheduled": 2,
     "scheduled_uneven": 3,
+    "scheduled_uneven_sampler": 3,
     "step_synced_metric": 1,
     "summed_count": 3,
     "epoch_metrics": 2,
@@ -95,6 +109,7 @@ def main() -> None:
         "intermediates": intermediates_module,
         "scheduled": scheduled_module,
         "scheduled_uneven": scheduled_module,
+        "scheduled_uneven_sampler": scheduled_module,
         "step_synced_metric": step_synced_metric_module,
         "summed_count": summed_count_module,
         "epoch_metrics": epoch_metrics_module,
@@ -108,7 +123,7 @@ def main() -> None:
         module.model.config.layerdrop = 0.1
     summary = SummaryAtFitStart()
     freeze = FreezeCallback() if mode.startswith("fp16") else None  # measures gradient norms per step
-    if mode in ("scheduled_uneven", "summed_count", "epoch_metrics"):  # 2x1 -> 1x2 after epoch 0
+    if mode.startswith("scheduled_uneven") or mode in ("summed_count", "epoch_metrics"):  # 2x1 -> 1x2 after epoch 0
         freeze = FreezeCallback(alpha=3 / 4, signal="schedule")
     names = {"summed_count": ["count", "pipetx/pipeline_length"], "epoch_metrics": ["train_auroc", "summed_loss"]}
     epochs = EpochSteps(names.get(mode, ()))
@@ -144,6 +159,8 @@ def main() -> None:
     loader = train_loader(batch, task="timm_vit" if mode in ("intermediates", "timm_checkpointing") else "bert")
     if mode == "scheduled_uneven":  # 39 samples: 4 global batches of 8 an epoch, 7 samples dropped
         loader = train_loader(batch, size=39, drop_last=True)
+    if mode == "scheduled_uneven_sampler":  # the same, through a sampler of the user's (Lightning wraps it)
+        loader = train_loader(batch, sampler=SeededOrder(39), size=39, drop_last=True)
     if mode == "random_collate":
         loader = torch.utils.data.DataLoader(loader.dataset, batch_size=GLOBAL_BATCH, collate_fn=random_masking)
     trainer.fit(module, loader, loader if mode == "plateau" else None, ckpt_path=resume)
