@@ -19,7 +19,7 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 
 from lightning_pipetx import BlockListNotFoundError, FreezeCallback
-from lightning_pipetx.callbacks import freeze as freeze_module
+from lightning_pipetx.callbacks import block_norms
 
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -431,13 +431,13 @@ class PendingRows(Callback):
         self.fc, self.seen = fc, []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.seen.append(len(self.fc._step_rows))
+        self.seen.append(len(self.fc._norms.rows))
 
 
 def test_gradient_norms_wait_on_the_device_for_a_bounded_number_of_steps(monkeypatch):
     # The ranks agree on the recorded steps at each epoch's end and, within a long epoch, once
     # that many have waited: here every 3 steps of 4-step epochs. The sums stay those of every step.
-    monkeypatch.setattr(freeze_module, "_ROWS_AGREED_AT_ONCE", 3)
+    monkeypatch.setattr(block_norms, "ROWS_AGREED_AT_ONCE", 3)
     fc = FreezeCallback(alpha=0.25, freeze_interval=2)
     grad_probe, pending = GradNormProbe(fc, alpha=0.25, interval=2), PendingRows(fc)
     make_trainer([grad_probe, fc, pending], max_epochs=5).fit(seq_module(), seq_loader())

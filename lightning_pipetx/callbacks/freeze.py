@@ -16,13 +16,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 
 from lightning_pipetx.blocks import BlockListNotFoundError, BlockSplit, block_lists_in_pre, find_blocks
-from lightning_pipetx.callbacks.block_norms import BlockGradientNorms
+from lightning_pipetx.callbacks.block_norms import IntervalNorms
 from lightning_pipetx.callbacks.freeze_boundary import FreezeBoundary
 from lightning_pipetx.callbacks.freeze_context import (
     agreed_block_path,
     all_reduce_max,
     all_reduce_mean,
-    all_reduce_min,
     gradients_outside_blocks_finite,
     loss_scale_left_in,
     num_replicas,
@@ -36,8 +35,6 @@ from lightning_pipetx.pre_trace import PreTrace
 from lightning_pipetx.strategy.elastic_pipeline import ElasticPipelineStrategy
 
 log = logging.getLogger("lightning_pipetx")
-
-_ROWS_AGREED_AT_ONCE = 1024  # at most this many steps' gradient norms wait on the device for the ranks' agreement
 
 _SIGNALS = ("grad_norm", "schedule")
 
@@ -113,12 +110,8 @@ class FreezeCallback(Callback):
         self.frozen_blocks = 0
         self.decisions = 0
         self.last_decision: FreezeDecision | None = None
-        self._norm_sums: torch.Tensor | None = None
-        self._norm_steps = 0
-        # one row per optimizer step not yet agreed on, on the device: [norm per block..., finite, measured]
-        self._step_rows: list[torch.Tensor] = []
+        self._norms = IntervalNorms()
         self._split: BlockSplit | None = None
-        self._block_norms = BlockGradientNorms()
         self._boundary = FreezeBoundary()
         self._pre_weights: list[str] | None = None  # found by the first training step's trace
         self._post_weights: list[str] = []  # the same
@@ -178,9 +171,7 @@ class FreezeCallback(Callback):
                 f"FreezeCallback(min_active_blocks={self.min_active_blocks}) leaves nothing to freeze in a "
                 f"model with {num_blocks} blocks; lower min_active_blocks."
             )
-        if self._norm_sums is None or self._norm_sums.numel() != num_blocks:
-            self._norm_sums = torch.zeros(num_blocks, dtype=torch.float64)
-            self._step_rows = []
+        self._norms.resize(num_blocks)
 
     def _apply_trace(self) -> None:
         if self._split is None or self._pre_weights is None:
@@ -292,23 +283,12 @@ class FreezeCallback(Callback):
         self._boundary.check(self.split, self._runs_block(trainer, self.frozen_blocks))
         if not self._measures_gradients():
             return
-        # Kept where the gradients live, without a host read per step. Every rank records every
-        # step, with or without gradients of its own: the ranks agree on them at the epoch's end.
-        num_blocks = self.split.num_blocks
-        row = torch.zeros(num_blocks + 2, dtype=torch.float64, device=pl_module.device)
-        norms = row[:num_blocks]
-        if self._block_norms.measure(self.split, self.frozen_blocks, norms):
-            row[-1] = 1.0  # measured
-        scale = loss_scale_left_in(trainer, optimizer, row.device)
-        if scale is not None:
-            norms /= scale
-        finite = torch.isfinite(norms).all()
+        device = pl_module.device
+        finite = torch.ones((), dtype=torch.bool, device=device)
         if skips_overflowed_steps(trainer):  # fp16 loss scaling: an overflow anywhere skips the step
-            finite &= gradients_outside_blocks_finite(optimizer, self.split)
-        row[-2] = finite
-        self._step_rows.append(row)
-        if len(self._step_rows) >= _ROWS_AGREED_AT_ONCE:  # on every rank at once: the same steps
-            self._agree_on_steps()
+            finite = gradients_outside_blocks_finite(optimizer, self.split).to(device)
+        scale = loss_scale_left_in(trainer, optimizer, device)
+        self._norms.record(self.split, self.frozen_blocks, device, scale, finite)
 
     @staticmethod
     def _runs_block(trainer: pl.Trainer, index: int) -> bool:
@@ -327,37 +307,9 @@ class FreezeCallback(Callback):
     def _capped(self) -> bool:
         return self.frozen_blocks >= self.split.num_blocks - self.min_active_blocks
 
-    def _interval_norms(self) -> tuple[torch.Tensor, int]:
-        """The gradient-norm sums per block and the steps they cover since the last decision, over
-        all ranks (collectives): under a pipeline each rank measures the blocks it runs only. A
-        step counts where some rank had gradients and none overflowed, as it counts in one process."""
-        self._agree_on_steps()
-        totals = all_reduce_max(torch.cat([self._norm_sums, torch.tensor([float(self._norm_steps)])]))
-        return totals[:-1], int(totals[-1])
-
-    def _agree_on_steps(self) -> None:
-        """Add the recorded steps that some rank measured and none saw overflow into the host totals
-        (one read of the device, collectives)."""
-        width = len(self._norm_sums) + 2
-        rows = torch.stack(self._step_rows).cpu() if self._step_rows else torch.zeros(0, width, dtype=torch.float64)
-        self._step_rows = []
-        counts = all_reduce_max(torch.tensor([float(len(rows)), -float(len(rows))]))
-        if counts[0] != -counts[1]:
-            raise RuntimeError(
-                f"FreezeCallback: the ranks measured different numbers of optimizer steps "
-                f"({int(-counts[1])} to {int(counts[0])}); every rank must step its optimizer at every batch."
-            )
-        if len(rows) == 0:
-            return
-        # one collective: the minimum over the ranks of (finite, -measured) is (finite everywhere, -measured anywhere)
-        agreed = all_reduce_min(rows[:, -2:] * torch.tensor([1.0, -1.0]))
-        counted = (agreed[:, 0] > 0) & (agreed[:, 1] < 0)
-        self._norm_sums += torch.where(counted[:, None], rows[:, :-2], 0.0).sum(0)
-        self._norm_steps += int(counted.sum())
-
     # ---------------------------------------------------------------- decision
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._agree_on_steps()
+        self._norms.agree()
         # The values agree on every rank; sync_dist only keeps Lightning from warning.
         pl_module.log("pipetx/frozen_blocks", float(self.frozen_blocks), on_step=False, on_epoch=True, sync_dist=True)
         if self._epoch_seconds > 0 and self._epoch_samples > 0:
@@ -405,7 +357,7 @@ class FreezeCallback(Callback):
     def _decide(self, trainer: pl.Trainer) -> None:
         grad_norms = None
         if self._measures_gradients():
-            sums, steps = self._interval_norms()
+            sums, steps = self._norms.totals()
             if steps == 0:
                 return  # no gradient was measured since the last decision: no evidence to act on
             grad_norms = (sums / steps).tolist()
@@ -419,8 +371,7 @@ class FreezeCallback(Callback):
             decisions=self.decisions,
         )
         self.last_decision = decision
-        self._norm_sums.zero_()
-        self._norm_steps = 0
+        self._norms.reset()
         if trainer.is_global_zero:
             log.info(
                 "pipetx: epoch %d: frozen blocks %d -> %d of %d (%s)",
@@ -457,7 +408,7 @@ class FreezeCallback(Callback):
     def state_dict(self) -> dict[str, Any]:
         """The same on every rank, which Lightning calls it on (global rank 0 writes the file):
         the gradient norms of every rank's blocks, a collective."""
-        sums, steps = (None, 0) if self._norm_sums is None else self._interval_norms()
+        sums, steps = (None, 0) if self._norms.sums is None else self._norms.totals()
         return {
             "frozen_blocks": self.frozen_blocks,
             "decisions": self.decisions,
@@ -473,10 +424,7 @@ class FreezeCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.frozen_blocks = int(state_dict["frozen_blocks"])
         self.decisions = int(state_dict["decisions"])
-        sums = state_dict.get("norm_sums")
-        self._norm_sums = None if sums is None else torch.tensor(sums, dtype=torch.float64)
-        self._step_rows = []
-        self._norm_steps = int(state_dict.get("norm_steps", 0))
+        self._norms.load(state_dict.get("norm_sums"), int(state_dict.get("norm_steps", 0)))
         self._pre_weights = state_dict.get("pre_weights")
         self._post_weights = state_dict.get("post_weights") or []
         self._post_modules = state_dict.get("post_modules") or []
