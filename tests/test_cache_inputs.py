@@ -1,0 +1,84 @@
+"""AutoCache and the shapes of what it keys: hidden states whose first dimension is not the batch."""
+
+import lightning.pytorch as pl
+import pytest
+import tiny_models as tm
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
+
+
+class SequenceFirst(pl.LightningModule):
+    """Blocks that take ``[length, batch, width]`` (nn.TransformerEncoderLayer's default)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(tm.VOCAB, tm.HIDDEN)
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(tm.HIDDEN, 2, 64, dropout=0.0) for _ in range(tm.LAYERS))
+        self.head = nn.Linear(tm.HIDDEN, tm.NUM_LABELS)
+
+    def forward(self, ids):
+        hidden = self.embed(ids).transpose(0, 1)
+        for layer in self.layers:
+            hidden = layer(hidden)
+        return self.head(hidden.mean(0))
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self(batch["input_ids"]), batch["labels"])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def fit(cache, module, batch_size, tmp_path, size=32, epochs=4):
+    rates = tm.HitRates()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ElasticPipelineStrategy(cache=cache, profile_steps=0, cache_dir=str(tmp_path / "spill")),
+        max_epochs=epochs,
+        callbacks=[FreezeCallback(alpha=1 / 2, signal="schedule"), rates],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = tm.RandomTokenDataset(size=size, seed=1)
+    trainer.fit(module, DataLoader(data, batch_size=batch_size, shuffle=True))
+    return module.state_dict(), rates.rates
+
+
+def _same(a, b):
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "reason"),
+    [
+        (8, "has shape (16, 8, 32) for a micro-batch of 8 samples"),
+        (16, "cannot tell whether the first dimension is the batch"),
+    ],
+)
+def test_sequence_first_blocks_are_not_cached(tmp_path, caplog, batch_size, reason):
+    # batch 8, length 16: the rows are positions; batch 16 = length 16: only the shape cannot tell
+    uncached, _ = fit(False, SequenceFirst(), batch_size, tmp_path)
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        cached, rates = fit("auto", SequenceFirst(), batch_size, tmp_path)
+    _same(cached, uncached)
+    assert all(rate in (None, 0.0) for rate in rates)
+    messages = [r.message for r in caplog.records if "AutoCache switched off" in r.message]
+    assert len(messages) == 1 and reason in messages[0] and "batch_first=True" in messages[0]
+    with pytest.raises(ValueError, match=r"cache=True\): the frozen blocks' hidden state.*batch_first=True"):
+        fit(True, SequenceFirst(), batch_size, tmp_path)
+
+
+def test_batch_first_blocks_with_the_batch_size_of_the_length_are_served_once_their_rows_compared_unchanged(
+    tmp_path,
+):
+    # batch 16 = length 16 and no other batch size: the shape cannot tell, each sample's row can
+    _, rates = fit("auto", tm.TinyBertClassifier(seed=0, dropout=0.0), 16, tmp_path, epochs=5)
+    assert rates == [None, 0.0, 0.0, 1.0, 1.0]
