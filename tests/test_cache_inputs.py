@@ -1,4 +1,4 @@
-"""AutoCache and the shapes of what it keys: hidden states whose first dimension is not the batch."""
+"""AutoCache and what its keys rest on: batch-first hidden states, and one training loader of batches."""
 
 import lightning.pytorch as pl
 import pytest
@@ -82,3 +82,56 @@ def test_batch_first_blocks_with_the_batch_size_of_the_length_are_served_once_th
     # batch 16 = length 16 and no other batch size: the shape cannot tell, each sample's row can
     _, rates = fit("auto", tm.TinyBertClassifier(seed=0, dropout=0.0), 16, tmp_path, epochs=5)
     assert rates == [None, 0.0, 0.0, 1.0, 1.0]
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield from ({"x": torch.tensor([float(i)])} for i in range(32))
+
+
+class _TwoLoaders(tm.TinyBertClassifier):
+    """Trains on loader "a" (16 samples) cycled against a longer loader "b" (max_size_cycle)."""
+
+    def __init__(self, other):
+        super().__init__(seed=0, dropout=0.0)
+        self.other = other
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch["a"], batch_idx)
+
+    def train_dataloader(self):
+        other = tm.RandomTokenDataset(size=32, seed=2) if self.other == "map" else _Stream()
+        return {
+            "a": DataLoader(tm.RandomTokenDataset(size=16, seed=1), batch_size=8),
+            "b": DataLoader(other, batch_size=8),
+        }
+
+
+def _fit_module(cache, module, tmp_path, epochs=4):
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ElasticPipelineStrategy(cache=cache, profile_steps=0, cache_dir=str(tmp_path / "spill")),
+        max_epochs=epochs,
+        callbacks=[FreezeCallback(alpha=1 / 2, signal="schedule")],
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module)
+    return module.state_dict()
+
+
+@pytest.mark.parametrize("other", ["stream", "map"])
+def test_several_training_loaders_turn_the_cache_off_with_the_reason(tmp_path, caplog, other):
+    # the shorter loader restarts mid-epoch while the next batch is already fetched: keys would be wrong
+    uncached = _fit_module(False, _TwoLoaders(other), tmp_path)
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        cached = _fit_module("auto", _TwoLoaders(other), tmp_path)
+    _same(cached, uncached)
+    messages = [r.message for r in caplog.records if "AutoCache switched off" in r.message]
+    assert len(messages) == 1 and "trains from several DataLoaders" in messages[0]
+    with pytest.raises(ValueError, match=r"cache=True\): the fit trains from several DataLoaders"):
+        _fit_module(True, _TwoLoaders(other), tmp_path)

@@ -21,6 +21,12 @@ from lightning_pipetx.autocache.sample_keys import RecordingBatchSampler, Valida
 
 Keys = tuple[torch.Tensor | None, torch.Tensor | None]
 
+SEVERAL_LOADERS = (
+    "the fit trains from several DataLoaders (train_dataloader() returned a list or dict of them, or a "
+    "CombinedLoader): AutoCache keys the batches of one loader, and one that restarts within an epoch "
+    "(max_size_cycle) would name the wrong samples"
+)
+
 
 @dataclass(frozen=True)
 class CacheSite:
@@ -47,7 +53,8 @@ def _as_tensors(current: list[int] | None, after: list[int] | None) -> Keys:
 
 class CacheFeed:
     """Records the training loader and the validation loader of a fit for ``control``'s caches,
-    and hands each step its keys. A loader over a dataset without a length is not cached."""
+    and hands each step its keys. A loader over a dataset without a length is not cached, nor
+    a fit that trains from several loaders (Lightning builds them all before a step)."""
 
     def __init__(self, control: CacheControl) -> None:
         self.control = control
@@ -55,6 +62,8 @@ class CacheFeed:
         self._training_dataset: Any = None
         self._collate: Any = None  # the training loader's collate_fn
         self._validation = ValidationKeys()
+        self._built: list[DataLoader] = []  # the training loaders built since the last training step
+        self._several = False  # the fit trains from several loaders: none is recorded
 
     def _cacheable(self, loader: DataLoader) -> bool:
         # batch_sampler None: the loader yields the dataset's items unbatched (no indices to record)
@@ -62,7 +71,12 @@ class CacheFeed:
 
     def training_loader(self, loader: DataLoader, site: CacheSite) -> tuple[DataLoader, AutoCache | None]:
         """``loader``, recording its batches; and the training cache if this call opened it."""
-        if not self._cacheable(loader):
+        if all(loader is not built for built in self._built):  # Lightning builds all of them before a step
+            self._built.append(loader)
+        if len(self._built) > 1 and self.control.mode is not False:
+            self._several, self._training = True, None
+            self.control.refuse(SEVERAL_LOADERS, ValueError, "Train from one DataLoader, or pass cache=False.")
+        if self._several or not self._cacheable(loader):
             return loader, None
         loader, self._training = recording(loader)
         self._collate = loader.collate_fn
@@ -90,6 +104,7 @@ class CacheFeed:
 
     def training_keys(self) -> Keys:
         """The dataset indices of this training batch and of the next one (None: not recorded)."""
+        self._built.clear()
         return _as_tensors(*self._training.pop()) if self._training is not None else (None, None)
 
     def dropped_samples(self) -> tuple[torch.Tensor, Callable[[], Any]] | None:
@@ -123,4 +138,5 @@ class CacheFeed:
         """Close both caches (``remove_files``: one rank per node) and forget the loaders."""
         self.control.close(remove_files)
         self._training = self._training_dataset = self._collate = None
+        self._built, self._several = [], False
         self._validation.reset()
