@@ -135,3 +135,27 @@ def test_several_training_loaders_turn_the_cache_off_with_the_reason(tmp_path, c
     assert len(messages) == 1 and "trains from several DataLoaders" in messages[0]
     with pytest.raises(ValueError, match=r"cache=True\): the fit trains from several DataLoaders"):
         _fit_module(True, _TwoLoaders(other), tmp_path)
+
+
+class _SizedStream(torch.utils.data.IterableDataset):
+    """An iterable dataset that tells its length (its sampler yields no indices)."""
+
+    def __init__(self):
+        self.base = tm.RandomTokenDataset(size=32, seed=1)
+
+    def __len__(self):
+        return len(self.base)
+
+    def __iter__(self):
+        yield from (self.base[i] for i in range(len(self.base)))
+
+
+def test_an_iterable_dataset_with_a_length_is_not_cached(tmp_path):
+    rates = tm.HitRates()
+    trainer = tm.make_trainer(
+        [FreezeCallback(alpha=1 / 2, signal="schedule"), rates],
+        max_epochs=3,
+        strategy=ElasticPipelineStrategy(cache="auto", profile_steps=0, cache_dir=str(tmp_path / "spill")),
+    )
+    trainer.fit(tm.TinyBertClassifier(seed=0, dropout=0.0), DataLoader(_SizedStream(), batch_size=8))
+    assert trainer.global_step == 12 and rates.rates == [None, None, None]  # trained, never looked up

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_pipetx.autocache.cache import AutoCache
 from lightning_pipetx.autocache.control import CacheControl
@@ -53,7 +53,7 @@ def _as_tensors(current: list[int] | None, after: list[int] | None) -> Keys:
 
 class CacheFeed:
     """Records the training loader and the validation loader of a fit for ``control``'s caches,
-    and hands each step its keys. A loader over a dataset without a length is not cached, nor
+    and hands each step its keys. A loader over an iterable dataset, or one without a length, is not cached, nor
     a fit that trains from several loaders (Lightning builds them all before a step)."""
 
     def __init__(self, control: CacheControl) -> None:
@@ -66,8 +66,11 @@ class CacheFeed:
         self._several = False  # the fit trains from several loaders: none is recorded
 
     def _cacheable(self, loader: DataLoader) -> bool:
-        # batch_sampler None: the loader yields the dataset's items unbatched (no indices to record)
-        return self.control.mode is not False and loader.batch_sampler is not None and _has_len(loader.dataset)
+        # batch_sampler None: the loader yields the dataset's items unbatched (no indices to record);
+        # an IterableDataset's sampler yields no indices, whether or not it has a length
+        dataset = loader.dataset
+        indexed = not isinstance(dataset, IterableDataset) and _has_len(dataset)
+        return self.control.mode is not False and loader.batch_sampler is not None and indexed
 
     def training_loader(self, loader: DataLoader, site: CacheSite) -> tuple[DataLoader, AutoCache | None]:
         """``loader``, recording its batches; and the training cache if this call opened it."""
