@@ -159,3 +159,47 @@ def test_an_iterable_dataset_with_a_length_is_not_cached(tmp_path):
     )
     trainer.fit(tm.TinyBertClassifier(seed=0, dropout=0.0), DataLoader(_SizedStream(), batch_size=8))
     assert trainer.global_step == 12 and rates.rates == [None, None, None]  # trained, never looked up
+
+
+class _Growing(torch.utils.data.Dataset):
+    """32 samples, then 48 from the third epoch on (a curriculum): one dataset object throughout."""
+
+    def __init__(self):
+        self.base, self.size = tm.RandomTokenDataset(size=64, seed=1), 32
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        return self.base[index]
+
+
+class _GrowingData(tm.TinyBertClassifier):
+    def __init__(self):
+        super().__init__(seed=0, dropout=0.0)
+        self.data = _Growing()
+
+    def on_train_epoch_end(self):
+        if self.current_epoch == 1:
+            self.data.size = 48
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=8)
+
+
+def test_a_training_dataset_that_changes_its_length_turns_the_cache_off(tmp_path, caplog):
+    def run(cache):
+        module = _GrowingData()
+        trainer = tm.make_trainer(
+            [FreezeCallback(alpha=1 / 2, signal="schedule")],
+            max_epochs=4,
+            reload_dataloaders_every_n_epochs=1,
+            strategy=ElasticPipelineStrategy(cache=cache, profile_steps=0, cache_dir=str(tmp_path / "spill")),
+        )
+        trainer.fit(module)
+        return module.state_dict()
+
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        cached = run("auto")
+    assert "the training dataset changed its length between epochs (32 -> 48 samples)" in caplog.text
+    _same(cached, run(False))

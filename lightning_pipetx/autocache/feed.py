@@ -81,15 +81,17 @@ class CacheFeed:
             self.control.refuse(SEVERAL_LOADERS, ValueError, "Train from one DataLoader, or pass cache=False.")
         if self._several or not self._cacheable(loader):
             return loader, None
+        cache = self.control.cache
+        if cache is not None:
+            reason = self._reload_refusal(loader.dataset, cache.num_samples)
+            if reason is not None:
+                cache.disable(reason)
+            if not cache.enabled:  # it never serves again: no keys to record
+                self._training = None
+                return loader, None
         loader, self._training = recording(loader)
         self._collate = loader.collate_fn
-        if self.control.cache is not None:
-            if loader.dataset is not self._training_dataset:  # a reload over other samples
-                self.control.cache.disable(
-                    "the training loader was rebuilt over another dataset object, whose indices may name other "
-                    "samples than the cached states; return the same dataset object from train_dataloader() to "
-                    "keep the cache."
-                )
+        if cache is not None:
             return loader, None
         self._training_dataset = loader.dataset
         size = len(loader.dataset)
@@ -104,6 +106,22 @@ class CacheFeed:
             size = len(loader.dataset)
             self.control.open_eval(site.run_token, site.node_rank, size, site.device, site.share_host)
         return loader
+
+    def _reload_refusal(self, dataset: Any, cached_samples: int) -> str | None:
+        """Why a reloaded training loader's indices may not name the cached samples (None: they do)."""
+        if dataset is not self._training_dataset:
+            return (
+                "the training loader was rebuilt over another dataset object, whose indices may name other "
+                "samples than the cached states; return the same dataset object from train_dataloader() to "
+                "keep the cache."
+            )
+        if len(dataset) != cached_samples:
+            return (
+                f"the training dataset changed its length between epochs ({cached_samples} -> {len(dataset)} "
+                f"samples): its indices may name other samples than the cached states; keep its length fixed to "
+                f"keep the cache."
+            )
+        return None
 
     def training_keys(self) -> Keys:
         """The dataset indices of this training batch and of the next one (None: not recorded)."""
