@@ -203,3 +203,37 @@ def test_a_training_dataset_that_changes_its_length_turns_the_cache_off(tmp_path
         cached = run("auto")
     assert "the training dataset changed its length between epochs (32 -> 48 samples)" in caplog.text
     _same(cached, run(False))
+
+
+class _EpochBatches(torch.utils.data.BatchSampler):
+    """A batch sampler of the user's whose order the module sets each epoch."""
+
+    def __init__(self, size, batch_size):
+        super().__init__(torch.utils.data.SequentialSampler(range(size)), batch_size, False)
+        self.epoch = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = torch.randperm(len(self.sampler), generator=torch.Generator().manual_seed(self.epoch)).tolist()
+        yield from (order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size))
+
+
+class _SetsEpoch(tm.TinyBertClassifier):
+    def on_train_epoch_start(self):
+        self.trainer.train_dataloader.batch_sampler.set_epoch(self.current_epoch)
+
+
+def test_the_users_batch_sampler_keeps_its_attributes_under_the_cache(tmp_path):
+    rates = tm.HitRates()
+    trainer = tm.make_trainer(
+        [FreezeCallback(alpha=1 / 2, signal="schedule"), rates],
+        max_epochs=4,
+        use_distributed_sampler=False,
+        strategy=ElasticPipelineStrategy(cache="auto", profile_steps=0, cache_dir=str(tmp_path / "spill")),
+    )
+    data = tm.RandomTokenDataset(size=32, seed=1)
+    trainer.fit(_SetsEpoch(seed=0, dropout=0.0), DataLoader(data, batch_sampler=_EpochBatches(32, 8)))
+    assert trainer.train_dataloader.batch_sampler.epoch == 3 and trainer.train_dataloader.batch_sampler.batch_size == 8
+    assert rates.rates[-1] == 1.0
