@@ -237,3 +237,29 @@ def test_the_users_batch_sampler_keeps_its_attributes_under_the_cache(tmp_path):
     trainer.fit(_SetsEpoch(seed=0, dropout=0.0), DataLoader(data, batch_sampler=_EpochBatches(32, 8)))
     assert trainer.train_dataloader.batch_sampler.epoch == 3 and trainer.train_dataloader.batch_sampler.batch_size == 8
     assert rates.rates[-1] == 1.0
+
+
+def _collate_full_batches(samples):
+    """A collate_fn written for batches of 8 (drop_last=True promises it those)."""
+    if len(samples) != 8:
+        raise RuntimeError(f"a batch of {len(samples)} samples")
+    return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+
+
+def test_left_out_samples_that_fail_to_load_are_not_cached_and_training_goes_on(tmp_path, caplog):
+    def run(cache):
+        module = tm.TinyBertClassifier(seed=0, dropout=0.0)
+        trainer = tm.make_trainer(
+            [FreezeCallback(alpha=1 / 2, signal="schedule")],
+            max_epochs=4,
+            strategy=ElasticPipelineStrategy(cache=cache, profile_steps=0, cache_dir=str(tmp_path / "spill")),
+        )
+        data = tm.RandomTokenDataset(size=36, seed=1)
+        trainer.fit(module, DataLoader(data, batch_size=8, drop_last=True, collate_fn=_collate_full_batches))
+        return module.state_dict()
+
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        cached = run("auto")
+    failures = [r.message for r in caplog.records if "drop_last left out" in r.message]
+    assert len(failures) == 1 and "RuntimeError: a batch of 4 samples" in failures[0]
+    _same(cached, run(False))
