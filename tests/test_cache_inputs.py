@@ -263,3 +263,23 @@ def test_left_out_samples_that_fail_to_load_are_not_cached_and_training_goes_on(
     failures = [r.message for r in caplog.records if "drop_last left out" in r.message]
     assert len(failures) == 1 and "RuntimeError: a batch of 4 samples" in failures[0]
     _same(cached, run(False))
+
+
+class _AllHiddenStates(tm.TinyBertClassifier):
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch, output_hidden_states=True).loss
+
+
+def test_a_refusal_ends_with_its_fit(tmp_path):
+    rates = tm.HitRates()
+    trainer = tm.make_trainer(
+        [FreezeCallback(alpha=1 / 2, signal="schedule"), rates],
+        max_epochs=3,
+        strategy=ElasticPipelineStrategy(cache="auto", profile_steps=0, cache_dir=str(tmp_path / "spill")),
+    )
+    data = tm.RandomTokenDataset(size=32, seed=1)
+    trainer.fit(_AllHiddenStates(seed=0, dropout=0.0), DataLoader(data, batch_size=8))  # every block's output
+    assert all(rate in (None, 0.0) for rate in rates.rates)
+    trainer.fit_loop.max_epochs = 7
+    trainer.fit(tm.TinyBertClassifier(seed=0, dropout=0.0), DataLoader(data, batch_size=8))
+    assert rates.rates[-1] == 1.0

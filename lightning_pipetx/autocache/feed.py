@@ -153,7 +153,8 @@ class CacheFeed:
 
     @property
     def open(self) -> bool:
-        return self.control.cache is not None or self.control.eval_cache is not None
+        """A cache, or a refusal of one, to be closed when the fit ends."""
+        return self.control.cache is not None or self.control.eval_cache is not None or self.control.refused
 
     def close(self, remove_files: bool) -> None:
         """Close both caches (``remove_files``: one rank per node) and forget the loaders."""
