@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import logging
 import shutil
-from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from lightning_pipetx.autocache.entries import Depth, EpochCounts, Prefetched
 from lightning_pipetx.autocache.guards import CHANGED_INPUT, CHANGED_PREFIX_INPUT, SERVED_STALE, InputGuard
+from lightning_pipetx.autocache.states import LAYOUT_FIX, RowLayout, unkeepable
 from lightning_pipetx.autocache.stopwatch import Stopwatch
 from lightning_pipetx.autocache.tiers import (
     TIER_NAMES,
@@ -41,34 +41,6 @@ from lightning_pipetx.strategy.p2p import Activation
 log = logging.getLogger("lightning_pipetx")
 
 DEVICE_SHARE = 1 / 3  # of the GPU's free memory, for cache_device_bytes="auto"
-
-
-@dataclass
-class _Depth:
-    tiers: list[Tier]
-    tuple_len: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-@dataclass
-class _Prefetched:
-    level: int
-    position: torch.Tensor  # host, per sample: its row in ``states``, or -1
-    states: torch.Tensor
-    source: torch.Tensor  # host, per row: the tier it came from (index into TIER_NAMES)
-    ready: torch.cuda.Event | None
-
-
-@dataclass
-class EpochCounts:
-    """What the cache did since the last :meth:`AutoCache.take_counts`."""
-
-    hits: int = 0
-    lookups: int = 0
-    served: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # samples per tier
-    served_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    prefetched: int = 0  # samples whose states were read a step ahead
 
 
 class AutoCache:
@@ -104,11 +76,12 @@ class AutoCache:
         self.dropped: set[str] = set()  # tiers measured slower than computing the prefix
         self.counts = EpochCounts()
         self.watch = Stopwatch(device)
-        self._depths: dict[int, _Depth] = {}
+        self._depths: dict[int, Depth] = {}
         self._writes: list[tuple[Tier, torch.Tensor, torch.Tensor, torch.cuda.Event]] = []
-        self._prefetched: _Prefetched | None = None
+        self._prefetched: Prefetched | None = None
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._warned = False
+        self.layout = RowLayout()  # whether the hidden states' dimension 0 is the batch
 
     # ------------------------------------------------------------------ guards
     @property
@@ -121,8 +94,10 @@ class AutoCache:
 
     @property
     def serving(self) -> bool:
-        """Hits may be served: paying, and the inputs (strict: and the frozen blocks' input) passed a check."""
-        return self.paying and self.guard.trusted and (self.prefix_guard.trusted or not self.strict)
+        """Hits may be served: paying, and the inputs (strict, or rows not yet shown to be samples: and the
+        frozen blocks' input) passed a check."""
+        strict = self.strict or self.layout.unproven
+        return self.paying and self.guard.trusted and (self.prefix_guard.trusted or not strict)
 
     def disable(self, reason: str, warn: bool = True) -> None:
         self.enabled = False
@@ -130,6 +105,12 @@ class AutoCache:
         if warn and not self._warned:
             self._warned = True
             log.warning("pipetx: %s switched off for this run: %s", self.label, reason)
+
+    def refuse(self, reason: str, fix: str) -> None:
+        """An error under ``cache=True``, else off with a warning."""
+        if self.force:
+            raise ValueError(f"ElasticPipelineStrategy(cache=True): {reason}. {fix}.")
+        self.disable(f"{reason}. {fix}.")
 
     def _changed(self, reason: str) -> None:
         if not self.force:
@@ -159,7 +140,10 @@ class AutoCache:
         if self.guard.judge(compared, changed):
             self._changed(CHANGED_INPUT)
         elif self.prefix_guard.judge(prefix_compared, prefix_changed):
-            self._changed(CHANGED_PREFIX_INPUT + ("" if self.strict else SERVED_STALE))  # strict: never served
+            if not self.layout.unproven:
+                self._changed(CHANGED_PREFIX_INPUT + ("" if self.strict else SERVED_STALE))  # strict: never served
+            elif self.enabled:  # its rows may be no samples (never served)
+                self.refuse(self.layout.suspect(), LAYOUT_FIX)
         if disabled and self.enabled:
             self.disable("another rank switched it off")
         if not self.enabled:  # every rank alike: nobody reads the states again
@@ -252,7 +236,7 @@ class AutoCache:
             states, source = self._gather(level, indices, tiers, masks)
         position = torch.full((self.num_samples,), -1, dtype=torch.long)
         position[indices] = torch.arange(len(indices))
-        self._prefetched = _Prefetched(level, position, states, source, ready)
+        self._prefetched = Prefetched(level, position, states, source, ready)
 
     def _take_prefetched(self, indices: torch.Tensor, depth: int):
         found = self._prefetched
@@ -269,20 +253,13 @@ class AutoCache:
         return states, found.level, found.source[position]
 
     def store(self, indices: torch.Tensor, depth: int, output: Activation) -> None:
-        if output.extra_tensors:
-            self.disable(
-                "the frozen blocks pass more than their hidden state on to the next block (T5's position bias): "
-                "only the hidden state can be cached."
-            )
+        reason = unkeepable(output)
+        if reason is not None:
+            self.disable(reason)
             return
         hidden, tuple_len = output.tensor, output.tuple_len
-        if hidden.requires_grad:
-            self.disable(
-                "the frozen blocks' output requires a gradient: a weight they use from outside the frozen prefix "
-                "(registered after the blocks, or one FreezeCallback found feeding no block in the first step: its "
-                "post_weights) still trains, so a cached state would go stale and its gradient would be lost. "
-                "Freeze that weight too, or pass cache=False"
-            )
+        if not self.layout.check(len(indices), tuple(hidden.shape)):
+            self.refuse(self.layout.wrong(len(indices), tuple(hidden.shape)), LAYOUT_FIX)
             return
         shape = tuple(hidden.shape[1:])
         try:
@@ -340,7 +317,7 @@ class AutoCache:
             tier.write(indices, pinned)
         self._writes.clear()
 
-    def _open(self, depth: int, shape: tuple[int, ...], dtype: torch.dtype, tuple_len: int) -> _Depth:
+    def _open(self, depth: int, shape: tuple[int, ...], dtype: torch.dtype, tuple_len: int) -> Depth:
         tiers: list[Tier] = []
         rows = self._device_rows(shape, dtype)
         if rows > 0:
@@ -349,7 +326,7 @@ class AutoCache:
             file_tier = self._file_tier(depth, shape, dtype, tuple_len)
             if file_tier is not None:
                 tiers.append(file_tier)
-        self._depths[depth] = entry = _Depth(tiers, tuple_len, shape, dtype)
+        self._depths[depth] = entry = Depth(tiers, tuple_len, shape, dtype)
         return entry
 
     def _adopt_shared_depths(self) -> None:
@@ -359,7 +336,7 @@ class AutoCache:
             if name in self.dropped:
                 continue
             for depth, tier, tuple_len in FileTier.described(name, folder, self.num_samples, skip=set(self._depths)):
-                self._depths[depth] = _Depth([tier], tuple_len, tuple(tier.data.shape[1:]), tier.data.dtype)
+                self._depths[depth] = Depth([tier], tuple_len, tuple(tier.data.shape[1:]), tier.data.dtype)
 
     def _device_rows(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         if "device" in self.dropped:

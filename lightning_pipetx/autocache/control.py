@@ -177,7 +177,14 @@ class CacheControl:
                 stats[f"cache_served_{name}_bytes"] = sums[2 + len(TIER_NAMES) + i]
         return stats
 
+    @property
+    def refused(self) -> bool:
+        """A refusal of this fit is held (to be forgotten by :meth:`close`, with or without a cache)."""
+        return self._refusal is not None or self._validation_refusal is not None
+
     def close(self, remove_files: bool) -> None:
+        """Close both caches and forget the fit's refusals: the next fit decides again."""
         for cache in self._caches():
             cache.close(remove_files)
         self.cache = self.eval_cache = None
+        self._refusal = self._validation_refusal = None

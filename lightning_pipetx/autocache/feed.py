@@ -13,13 +13,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_pipetx.autocache.cache import AutoCache
 from lightning_pipetx.autocache.control import CacheControl
 from lightning_pipetx.autocache.sample_keys import RecordingBatchSampler, ValidationKeys, recording
 
 Keys = tuple[torch.Tensor | None, torch.Tensor | None]
+
+SEVERAL_LOADERS = (
+    "the fit trains from several DataLoaders (train_dataloader() returned a list or dict of them, or a "
+    "CombinedLoader): AutoCache keys the batches of one loader, and one that restarts within an epoch "
+    "(max_size_cycle) would name the wrong samples"
+)
 
 
 @dataclass(frozen=True)
@@ -47,7 +53,8 @@ def _as_tensors(current: list[int] | None, after: list[int] | None) -> Keys:
 
 class CacheFeed:
     """Records the training loader and the validation loader of a fit for ``control``'s caches,
-    and hands each step its keys. A loader over a dataset without a length is not cached."""
+    and hands each step its keys. A loader over an iterable dataset, or one without a length, is not cached, nor
+    a fit that trains from several loaders (Lightning builds them all before a step)."""
 
     def __init__(self, control: CacheControl) -> None:
         self.control = control
@@ -55,24 +62,36 @@ class CacheFeed:
         self._training_dataset: Any = None
         self._collate: Any = None  # the training loader's collate_fn
         self._validation = ValidationKeys()
+        self._built: list[DataLoader] = []  # the training loaders built since the last training step
+        self._several = False  # the fit trains from several loaders: none is recorded
 
     def _cacheable(self, loader: DataLoader) -> bool:
-        # batch_sampler None: the loader yields the dataset's items unbatched (no indices to record)
-        return self.control.mode is not False and loader.batch_sampler is not None and _has_len(loader.dataset)
+        # batch_sampler None: the loader yields the dataset's items unbatched (no indices to record);
+        # an IterableDataset's sampler yields no indices, whether or not it has a length
+        dataset = loader.dataset
+        indexed = not isinstance(dataset, IterableDataset) and _has_len(dataset)
+        return self.control.mode is not False and loader.batch_sampler is not None and indexed
 
     def training_loader(self, loader: DataLoader, site: CacheSite) -> tuple[DataLoader, AutoCache | None]:
         """``loader``, recording its batches; and the training cache if this call opened it."""
-        if not self._cacheable(loader):
+        if all(loader is not built for built in self._built):  # Lightning builds all of them before a step
+            self._built.append(loader)
+        if len(self._built) > 1 and self.control.mode is not False:
+            self._several, self._training = True, None
+            self.control.refuse(SEVERAL_LOADERS, ValueError, "Train from one DataLoader, or pass cache=False.")
+        if self._several or not self._cacheable(loader):
             return loader, None
+        cache = self.control.cache
+        if cache is not None:
+            reason = self._reload_refusal(loader.dataset, cache.num_samples)
+            if reason is not None:
+                cache.disable(reason)
+            if not cache.enabled:  # it never serves again: no keys to record
+                self._training = None
+                return loader, None
         loader, self._training = recording(loader)
         self._collate = loader.collate_fn
-        if self.control.cache is not None:
-            if loader.dataset is not self._training_dataset:  # a reload over other samples
-                self.control.cache.disable(
-                    "the training loader was rebuilt over another dataset object, whose indices may name other "
-                    "samples than the cached states; return the same dataset object from train_dataloader() to "
-                    "keep the cache."
-                )
+        if cache is not None:
             return loader, None
         self._training_dataset = loader.dataset
         size = len(loader.dataset)
@@ -88,8 +107,25 @@ class CacheFeed:
             self.control.open_eval(site.run_token, site.node_rank, size, site.device, site.share_host)
         return loader
 
+    def _reload_refusal(self, dataset: Any, cached_samples: int) -> str | None:
+        """Why a reloaded training loader's indices may not name the cached samples (None: they do)."""
+        if dataset is not self._training_dataset:
+            return (
+                "the training loader was rebuilt over another dataset object, whose indices may name other "
+                "samples than the cached states; return the same dataset object from train_dataloader() to "
+                "keep the cache."
+            )
+        if len(dataset) != cached_samples:
+            return (
+                f"the training dataset changed its length between epochs ({cached_samples} -> {len(dataset)} "
+                f"samples): its indices may name other samples than the cached states; keep its length fixed to "
+                f"keep the cache."
+            )
+        return None
+
     def training_keys(self) -> Keys:
         """The dataset indices of this training batch and of the next one (None: not recorded)."""
+        self._built.clear()
         return _as_tensors(*self._training.pop()) if self._training is not None else (None, None)
 
     def dropped_samples(self) -> tuple[torch.Tensor, Callable[[], Any]] | None:
@@ -117,10 +153,12 @@ class CacheFeed:
 
     @property
     def open(self) -> bool:
-        return self.control.cache is not None or self.control.eval_cache is not None
+        """A cache, or a refusal of one, to be closed when the fit ends."""
+        return self.control.cache is not None or self.control.eval_cache is not None or self.control.refused
 
     def close(self, remove_files: bool) -> None:
         """Close both caches (``remove_files``: one rank per node) and forget the loaders."""
         self.control.close(remove_files)
         self._training = self._training_dataset = self._collate = None
+        self._built, self._several = [], False
         self._validation.reset()

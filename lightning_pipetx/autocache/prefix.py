@@ -75,11 +75,11 @@ class CachedPrefix:
         cache = self.cache
         if depth == 0 or not (cache.enabled and cache.fills) or cache.cached_depth(indices, depth) == depth:
             return
-        batch = load()
-        if _sample_shapes(batch) != self._sample_shapes:
-            return  # padded to another length than the epoch's batches: its states would not fit
-        self._observe_input(indices, batch)
-        try:
+        try:  # loading them may fail too (a dataset opened in the loader's workers only)
+            batch = load()
+            if _sample_shapes(batch) != self._sample_shapes:
+                return  # padded to another length than the epoch's batches: its states would not fit
+            self._observe_input(indices, batch)
             with self._microbatch(indices, depth, stop_at_capture=True):
                 run(batch)
         except StageExit:
@@ -87,8 +87,8 @@ class CachedPrefix:
         except Exception as error:  # a step that trains on full batches only: caching them is optional
             cache.fills = False
             log.warning(
-                "pipetx: %s: training_step failed on the %d samples drop_last left out (%s: %s); they are not "
-                "cached in this run, which trains as before",
+                "pipetx: %s: loading the %d samples drop_last left out, or training_step on them, failed (%s: %s); "
+                "they are not cached in this run, which trains as before",
                 cache.label,
                 len(indices),
                 type(error).__name__,

@@ -76,6 +76,12 @@ class RecordingBatchSampler:
     def __len__(self) -> int:
         return len(self.batch_sampler)
 
+    def __getattr__(self, name: str) -> Any:
+        """The wrapped batch sampler's attributes (``set_epoch``, ``batch_size``) read through the wrapper."""
+        if name == "batch_sampler":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
+        return getattr(self.batch_sampler, name)
+
 
 def recording(loader: DataLoader) -> tuple[DataLoader, RecordingBatchSampler]:
     """The same loader, its batch sampler now recording indices.

@@ -1,0 +1,78 @@
+"""Whether a captured state can be kept: one hidden state, no gradient, and one row per sample.
+
+AutoCache keeps row ``i`` of the frozen prefix's hidden state as the state of the micro-batch's
+sample ``i``, so dimension 0 must be the batch. Sequence-first blocks (``[length, batch, width]``:
+``nn.TransformerEncoderLayer`` with ``batch_first=False``) break that. A state whose first dimension
+is not the micro-batch's sample count is refused. One whose sample count is also the size of another
+dimension (batch 16, length 16) proves nothing: until a micro-batch of another size (an epoch's last,
+or the samples ``drop_last`` left out) shows dimension 0 to be the batch, such states are served only
+once each sample's row entering the frozen blocks was compared unchanged between epochs (a sequence-first
+row mixes the samples of its batch, and changes with them), and a change refuses the cache.
+"""
+
+from __future__ import annotations
+
+from lightning_pipetx.strategy.p2p import Activation
+
+LAYOUT_FIX = (
+    "Use batch-first blocks (nn.TransformerEncoderLayer(batch_first=True)) and a batch size that differs from the "
+    "other dimensions of the hidden state (the sequence length), or pass cache=False"
+)
+
+
+def unkeepable(output: Activation) -> str | None:
+    """Why a captured output cannot be cached (None: it can, as far as its tensors tell)."""
+    if output.extra_tensors:
+        return (
+            "the frozen blocks pass more than their hidden state on to the next block (T5's position bias): "
+            "only the hidden state can be cached."
+        )
+    if output.tensor.requires_grad:
+        return (
+            "the frozen blocks' output requires a gradient: a weight they use from outside the frozen prefix "
+            "(registered after the blocks, or one FreezeCallback found feeding no block in the first step: its "
+            "post_weights) still trains, so a cached state would go stale and its gradient would be lost. "
+            "Freeze that weight too, or pass cache=False"
+        )
+    return None
+
+
+class RowLayout:
+    """What the hidden states seen so far show about their dimension 0."""
+
+    def __init__(self) -> None:
+        self.confirmed = False  # a micro-batch's sample count matched dimension 0 and no other
+        self._ambiguous: tuple[int, tuple[int, ...]] | None = None  # a kept state's shape that could not tell
+
+    def check(self, samples: int, shape: tuple[int, ...]) -> bool:
+        """Whether row ``i`` can be sample ``i`` (False: dimension 0 is not the micro-batch's samples)."""
+        if not shape or shape[0] != samples:
+            return False
+        if samples not in shape[1:]:
+            self.confirmed = True
+        elif self._ambiguous is None:
+            self._ambiguous = (samples, shape)
+        return True
+
+    @property
+    def unproven(self) -> bool:
+        """States were kept whose shape could not tell the batch dimension, and no micro-batch has shown it."""
+        return self._ambiguous is not None and not self.confirmed
+
+    @staticmethod
+    def wrong(samples: int, shape: tuple[int, ...]) -> str:
+        return (
+            f"the frozen blocks' hidden state has shape {shape} for a micro-batch of {samples} samples: its first "
+            f"dimension is not the batch (sequence-first blocks, as nn.TransformerEncoderLayer(batch_first=False), "
+            f"put the length first), so its rows cannot be matched with the samples"
+        )
+
+    def suspect(self) -> str:
+        """Why unproven states whose input changed between epochs are not served."""
+        samples, shape = self._ambiguous
+        return (
+            f"the frozen blocks' hidden states have shape {shape} for {samples} samples, which cannot tell whether "
+            f"the first dimension is the batch, and their rows changed between epochs for samples the loader yielded "
+            f"unchanged: sequence-first blocks (nn.TransformerEncoderLayer(batch_first=False) puts the length "
+            f"first), or a step that changes its batch before the model call (noise, masking). No state was served"
+        )

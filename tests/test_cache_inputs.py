@@ -1,0 +1,285 @@
+"""AutoCache and what its keys rest on: batch-first hidden states, and one training loader of batches."""
+
+import lightning.pytorch as pl
+import pytest
+import tiny_models as tm
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
+
+
+class SequenceFirst(pl.LightningModule):
+    """Blocks that take ``[length, batch, width]`` (nn.TransformerEncoderLayer's default)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(tm.VOCAB, tm.HIDDEN)
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(tm.HIDDEN, 2, 64, dropout=0.0) for _ in range(tm.LAYERS))
+        self.head = nn.Linear(tm.HIDDEN, tm.NUM_LABELS)
+
+    def forward(self, ids):
+        hidden = self.embed(ids).transpose(0, 1)
+        for layer in self.layers:
+            hidden = layer(hidden)
+        return self.head(hidden.mean(0))
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self(batch["input_ids"]), batch["labels"])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def fit(cache, module, batch_size, tmp_path, size=32, epochs=4):
+    rates = tm.HitRates()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ElasticPipelineStrategy(cache=cache, profile_steps=0, cache_dir=str(tmp_path / "spill")),
+        max_epochs=epochs,
+        callbacks=[FreezeCallback(alpha=1 / 2, signal="schedule"), rates],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = tm.RandomTokenDataset(size=size, seed=1)
+    trainer.fit(module, DataLoader(data, batch_size=batch_size, shuffle=True))
+    return module.state_dict(), rates.rates
+
+
+def _same(a, b):
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "reason"),
+    [
+        (8, "has shape (16, 8, 32) for a micro-batch of 8 samples"),
+        (16, "cannot tell whether the first dimension is the batch"),
+    ],
+)
+def test_sequence_first_blocks_are_not_cached(tmp_path, caplog, batch_size, reason):
+    # batch 8, length 16: the rows are positions; batch 16 = length 16: only the shape cannot tell
+    uncached, _ = fit(False, SequenceFirst(), batch_size, tmp_path)
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        cached, rates = fit("auto", SequenceFirst(), batch_size, tmp_path)
+    _same(cached, uncached)
+    assert all(rate in (None, 0.0) for rate in rates)
+    messages = [r.message for r in caplog.records if "AutoCache switched off" in r.message]
+    assert len(messages) == 1 and reason in messages[0] and "batch_first=True" in messages[0]
+    with pytest.raises(ValueError, match=r"cache=True\): the frozen blocks' hidden state.*batch_first=True"):
+        fit(True, SequenceFirst(), batch_size, tmp_path)
+
+
+def test_batch_first_blocks_with_the_batch_size_of_the_length_are_served_once_their_rows_compared_unchanged(
+    tmp_path,
+):
+    # batch 16 = length 16 and no other batch size: the shape cannot tell, each sample's row can
+    _, rates = fit("auto", tm.TinyBertClassifier(seed=0, dropout=0.0), 16, tmp_path, epochs=5)
+    assert rates == [None, 0.0, 0.0, 1.0, 1.0]
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield from ({"x": torch.tensor([float(i)])} for i in range(32))
+
+
+class _TwoLoaders(tm.TinyBertClassifier):
+    """Trains on loader "a" (16 samples) cycled against a longer loader "b" (max_size_cycle)."""
+
+    def __init__(self, other):
+        super().__init__(seed=0, dropout=0.0)
+        self.other = other
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch["a"], batch_idx)
+
+    def train_dataloader(self):
+        other = tm.RandomTokenDataset(size=32, seed=2) if self.other == "map" else _Stream()
+        return {
+            "a": DataLoader(tm.RandomTokenDataset(size=16, seed=1), batch_size=8),
+            "b": DataLoader(other, batch_size=8),
+        }
+
+
+def _fit_module(cache, module, tmp_path, epochs=4):
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ElasticPipelineStrategy(cache=cache, profile_steps=0, cache_dir=str(tmp_path / "spill")),
+        max_epochs=epochs,
+        callbacks=[FreezeCallback(alpha=1 / 2, signal="schedule")],
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module)
+    return module.state_dict()
+
+
+@pytest.mark.parametrize("other", ["stream", "map"])
+def test_several_training_loaders_turn_the_cache_off_with_the_reason(tmp_path, caplog, other):
+    # the shorter loader restarts mid-epoch while the next batch is already fetched: keys would be wrong
+    uncached = _fit_module(False, _TwoLoaders(other), tmp_path)
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        cached = _fit_module("auto", _TwoLoaders(other), tmp_path)
+    _same(cached, uncached)
+    messages = [r.message for r in caplog.records if "AutoCache switched off" in r.message]
+    assert len(messages) == 1 and "trains from several DataLoaders" in messages[0]
+    with pytest.raises(ValueError, match=r"cache=True\): the fit trains from several DataLoaders"):
+        _fit_module(True, _TwoLoaders(other), tmp_path)
+
+
+class _SizedStream(torch.utils.data.IterableDataset):
+    """An iterable dataset that tells its length (its sampler yields no indices)."""
+
+    def __init__(self):
+        self.base = tm.RandomTokenDataset(size=32, seed=1)
+
+    def __len__(self):
+        return len(self.base)
+
+    def __iter__(self):
+        yield from (self.base[i] for i in range(len(self.base)))
+
+
+def test_an_iterable_dataset_with_a_length_is_not_cached(tmp_path):
+    rates = tm.HitRates()
+    trainer = tm.make_trainer(
+        [FreezeCallback(alpha=1 / 2, signal="schedule"), rates],
+        max_epochs=3,
+        strategy=ElasticPipelineStrategy(cache="auto", profile_steps=0, cache_dir=str(tmp_path / "spill")),
+    )
+    trainer.fit(tm.TinyBertClassifier(seed=0, dropout=0.0), DataLoader(_SizedStream(), batch_size=8))
+    assert trainer.global_step == 12 and rates.rates == [None, None, None]  # trained, never looked up
+
+
+class _Growing(torch.utils.data.Dataset):
+    """32 samples, then 48 from the third epoch on (a curriculum): one dataset object throughout."""
+
+    def __init__(self):
+        self.base, self.size = tm.RandomTokenDataset(size=64, seed=1), 32
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        return self.base[index]
+
+
+class _GrowingData(tm.TinyBertClassifier):
+    def __init__(self):
+        super().__init__(seed=0, dropout=0.0)
+        self.data = _Growing()
+
+    def on_train_epoch_end(self):
+        if self.current_epoch == 1:
+            self.data.size = 48
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=8)
+
+
+def test_a_training_dataset_that_changes_its_length_turns_the_cache_off(tmp_path, caplog):
+    def run(cache):
+        module = _GrowingData()
+        trainer = tm.make_trainer(
+            [FreezeCallback(alpha=1 / 2, signal="schedule")],
+            max_epochs=4,
+            reload_dataloaders_every_n_epochs=1,
+            strategy=ElasticPipelineStrategy(cache=cache, profile_steps=0, cache_dir=str(tmp_path / "spill")),
+        )
+        trainer.fit(module)
+        return module.state_dict()
+
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        cached = run("auto")
+    assert "the training dataset changed its length between epochs (32 -> 48 samples)" in caplog.text
+    _same(cached, run(False))
+
+
+class _EpochBatches(torch.utils.data.BatchSampler):
+    """A batch sampler of the user's whose order the module sets each epoch."""
+
+    def __init__(self, size, batch_size):
+        super().__init__(torch.utils.data.SequentialSampler(range(size)), batch_size, False)
+        self.epoch = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = torch.randperm(len(self.sampler), generator=torch.Generator().manual_seed(self.epoch)).tolist()
+        yield from (order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size))
+
+
+class _SetsEpoch(tm.TinyBertClassifier):
+    def on_train_epoch_start(self):
+        self.trainer.train_dataloader.batch_sampler.set_epoch(self.current_epoch)
+
+
+def test_the_users_batch_sampler_keeps_its_attributes_under_the_cache(tmp_path):
+    rates = tm.HitRates()
+    trainer = tm.make_trainer(
+        [FreezeCallback(alpha=1 / 2, signal="schedule"), rates],
+        max_epochs=4,
+        use_distributed_sampler=False,
+        strategy=ElasticPipelineStrategy(cache="auto", profile_steps=0, cache_dir=str(tmp_path / "spill")),
+    )
+    data = tm.RandomTokenDataset(size=32, seed=1)
+    trainer.fit(_SetsEpoch(seed=0, dropout=0.0), DataLoader(data, batch_sampler=_EpochBatches(32, 8)))
+    assert trainer.train_dataloader.batch_sampler.epoch == 3 and trainer.train_dataloader.batch_sampler.batch_size == 8
+    assert rates.rates[-1] == 1.0
+
+
+def _collate_full_batches(samples):
+    """A collate_fn written for batches of 8 (drop_last=True promises it those)."""
+    if len(samples) != 8:
+        raise RuntimeError(f"a batch of {len(samples)} samples")
+    return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+
+
+def test_left_out_samples_that_fail_to_load_are_not_cached_and_training_goes_on(tmp_path, caplog):
+    def run(cache):
+        module = tm.TinyBertClassifier(seed=0, dropout=0.0)
+        trainer = tm.make_trainer(
+            [FreezeCallback(alpha=1 / 2, signal="schedule")],
+            max_epochs=4,
+            strategy=ElasticPipelineStrategy(cache=cache, profile_steps=0, cache_dir=str(tmp_path / "spill")),
+        )
+        data = tm.RandomTokenDataset(size=36, seed=1)
+        trainer.fit(module, DataLoader(data, batch_size=8, drop_last=True, collate_fn=_collate_full_batches))
+        return module.state_dict()
+
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        cached = run("auto")
+    failures = [r.message for r in caplog.records if "drop_last left out" in r.message]
+    assert len(failures) == 1 and "RuntimeError: a batch of 4 samples" in failures[0]
+    _same(cached, run(False))
+
+
+class _AllHiddenStates(tm.TinyBertClassifier):
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch, output_hidden_states=True).loss
+
+
+def test_a_refusal_ends_with_its_fit(tmp_path):
+    rates = tm.HitRates()
+    trainer = tm.make_trainer(
+        [FreezeCallback(alpha=1 / 2, signal="schedule"), rates],
+        max_epochs=3,
+        strategy=ElasticPipelineStrategy(cache="auto", profile_steps=0, cache_dir=str(tmp_path / "spill")),
+    )
+    data = tm.RandomTokenDataset(size=32, seed=1)
+    trainer.fit(_AllHiddenStates(seed=0, dropout=0.0), DataLoader(data, batch_size=8))  # every block's output
+    assert all(rate in (None, 0.0) for rate in rates.rates)
+    trainer.fit_loop.max_epochs = 7
+    trainer.fit(tm.TinyBertClassifier(seed=0, dropout=0.0), DataLoader(data, batch_size=8))
+    assert rates.rates[-1] == 1.0
