@@ -38,6 +38,8 @@ from lightning_pipetx.strategy.autopipe import (
     choose_initial_plan,
     choose_plan,
     explain_choice,
+    frozen_in_place,
+    kept_reason,
     make_plan,
 )
 from lightning_pipetx.strategy.dataloading import global_batch_fits
@@ -46,6 +48,7 @@ _BERT_LARGE = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=1
 PRESETS = {"bert-base": ("BertConfig", {}), "bert-large": ("BertConfig", _BERT_LARGE)}
 PRESETS.update({"vit-b16": ("ViTConfig", {}), "gpt2": ("GPT2Config", {})})
 _NOTES = {"transition": "transition", "repartition": "re-partition, same layout", "none": "same layout and stages"}
+_NOTES["kept"] = "no layout left: frozen in place"
 
 
 def build_model(name: str) -> nn.Module:
@@ -143,7 +146,12 @@ def dry_run(
     steps, previous = [], start
     for decision, frozen in freeze_steps(num_blocks, alpha, min_active_blocks):
         plan = choose_plan(costs, frozen, devices, pipeline_length, microbatches, accept, frozen_time)
-        row = {"decision": decision, "frozen": frozen, "change": change(previous, plan)}
+        row = {"decision": decision, "frozen": frozen}
+        if plan is None:  # no layout is left: the blocks freeze in place, as the strategy does
+            plan = frozen_in_place(previous, costs, frozen, frozen_time)
+            row.update(change="kept", reason=kept_reason(num_blocks, frozen, pipeline_length))
+        else:
+            row["change"] = change(previous, plan)
         steps.append({**row, **plan_dict(plan, start)})
         previous = plan
     return {
@@ -195,6 +203,8 @@ def format_report(result: dict[str, Any]) -> str:
             f"{step['num_microbatches']} micro-batches, {_stages(step)}, "
             f"throughput x{step['relative_throughput']:.2f} [{_NOTES[step['change']]}]"
         )
+        if "reason" in step:
+            lines.append(f"  {step['reason']}")
     count = result["transitions"]
     lines.append(f"{count} layout transition{'s' if count != 1 else ''}" if count else "no layout transition")
     return "\n".join(lines)

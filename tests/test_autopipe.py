@@ -4,6 +4,7 @@ import itertools
 import json
 import random
 
+import frozen_in_place_worker
 import pytest
 import tiny_models as tm
 import torch
@@ -18,6 +19,7 @@ from lightning_pipetx.strategy.autopipe import (
     ModelMemory,
     choose_initial_plan,
     choose_plan,
+    frozen_in_place,
     frozen_partition,
     make_plan,
     max_stages,
@@ -71,8 +73,37 @@ def test_without_a_fitting_layout_the_longest_buildable_pipeline_is_kept():
 def test_layouts_can_be_ruled_out():
     plan = choose_plan([1.0] * 8, 5, 4, 4, accept=lambda layout: layout.replicas == 1)
     assert plan.layout == Layout(4, 1)
-    with pytest.raises(ValueError, match="at most 3 stages"):
-        choose_plan([1.0] * 8, 6, 4, 4, accept=lambda layout: layout.replicas == 1)
+
+
+def test_when_no_layout_is_left_the_blocks_freeze_in_place():
+    # 4 stages do not fit around 6 frozen blocks of 8, and shorter pipelines are ruled out.
+    assert choose_plan([1.0] * 8, 6, 4, 4, accept=lambda layout: layout.replicas == 1) is None
+    planner = AutoPipe(4, num_microbatches="auto")
+    plan, _ = planner.start(find_blocks(build_model("sequential")), 4, 4, budget=lambda: 0.0, profile=False)
+    assert planner.plan(3, 4, accept=lambda layout: layout.replicas == 1) is None
+    assert "at most 2 stages fit around the frozen prefix" in planner.kept_reason(3)
+    kept, block = frozen_in_place(plan, planner.costs, 3), planner.costs[0]
+    assert kept.same_layout(plan) and kept.stage_times == pytest.approx([block * FROZEN_TIME] * 3 + [block])
+
+
+def _single_process_weights(kind):
+    freeze = FreezeCallback(alpha=0.5, signal="schedule")
+    module = tm.TinySequentialRegressor(seed=0, dropout=0.0)
+    tm.make_trainer([freeze], max_epochs=3).fit(module, frozen_in_place_worker.loader(kind, reference=True))
+    assert freeze.frozen_blocks == 3
+    return module.state_dict()
+
+
+def test_a_freeze_that_leaves_no_layout_trains_on_in_place(tmp_path):
+    # 3x1 over 4 blocks, a global batch that 3 replicas cannot share: with 3 blocks frozen
+    # neither 3 stages nor 1 can be built; the layout stays and training goes on as in one process.
+    output = run_workers("frozen_in_place_worker.py", 3, str(tmp_path))
+    assert output.count("the layout stays and the blocks freeze in place") == len(frozen_in_place_worker.KINDS)
+    for kind in frozen_in_place_worker.KINDS:
+        report = json.loads((tmp_path / f"{kind}.json").read_text())
+        assert report["layouts"] == ["3x1"] * 3 and report["frozen"] == 3
+        for key, expected in _single_process_weights(kind).items():
+            torch.testing.assert_close(torch.tensor(report["weights"][key]), expected, msg=key)
 
 
 def test_transfers_send_each_new_block_once_to_each_rank_that_lacks_it():

@@ -125,9 +125,15 @@ def test_batch_size_rules_out_layouts_the_global_batch_does_not_split_over(capsy
     # Global batch 3 x 2 replicas = 6: neither 4 nor 8 replicas can share it evenly.
     held = _run_json(capsys, *args, "--batch-size", "3")
     assert [step["layout"] for step in held["steps"]] == ["4x2", "4x2", "4x2"] and held["transitions"] == 0
-    # With 10 blocks frozen 4 stages cannot be built, and 4 replicas cannot share the batch.
-    assert main([*args[:-2], "--batch-size", "3"]) == 2
-    assert "no such pipeline length divides 4" in capsys.readouterr().err
+    # With 10 blocks frozen 4 stages cannot be built, and 4 replicas cannot share the batch: the
+    # layout stays and the blocks freeze in place, as the strategy does.
+    kept = _run_json(capsys, *args[:-2], "--batch-size", "3")
+    assert [step["frozen"] for step in kept["steps"]] == [4, 7, 9, 10, 11]
+    assert [step["change"] for step in kept["steps"][3:]] == ["kept", "kept"]
+    assert {tuple(map(tuple, step["bounds"])) for step in kept["steps"][2:]} == {((0, 9), (9, 10), (10, 11), (11, 12))}
+    assert main([*args[:-2], "--batch-size", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "frozen 10: layout 4x2" in out and "with 10 of 12 blocks frozen at most 3 stages fit" in out
 
 
 def test_models_are_built_without_weights():

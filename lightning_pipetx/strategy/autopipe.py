@@ -11,7 +11,9 @@ global batch splits evenly over the new replicas). The paper's rule takes the sm
 ``K`` whose largest stage costs no more than the largest stage at the start (the longest
 buildable pipeline when none does); the throughput model
 ``replicas * M / ((M + K - 1) * largest_stage_time)`` replaces that choice by a faster one
-whose largest stage needs no more memory than the largest stage at the start.
+whose largest stage needs no more memory than the largest stage at the start. When no ``K``
+fits around the frozen prefix and splits the global batch, the layout stays and the blocks
+freeze in place (the prefix then spans the first stages).
 
 The *initial* pipeline length (``pipeline_length="auto"``) is chosen in bytes instead: among
 the divisors of the world size, the layout predicted fastest whose largest stage's training
@@ -112,6 +114,28 @@ def max_stages(num_blocks: int, frozen: int) -> int:
     return num_blocks if frozen <= 0 else 1 + num_blocks - frozen
 
 
+def buildable_lengths(
+    num_blocks: int, frozen: int, world_size: int, initial_length: int, accept: Callable[[Layout], bool] | None = None
+) -> list[int]:
+    """The divisors of ``initial_length`` that fit around a frozen prefix on the first stage and
+    whose layout ``accept`` keeps (the initial layout always is)."""
+    return [
+        k
+        for k in divisors(initial_length)
+        if k <= max_stages(num_blocks, frozen)
+        and (k == initial_length or accept is None or accept(Layout.for_world(world_size, k)))
+    ]
+
+
+def kept_reason(num_blocks: int, frozen: int, initial_length: int) -> str:
+    """Why :func:`choose_plan` found no layout for ``frozen`` blocks."""
+    return (
+        f"with {frozen} of {num_blocks} blocks frozen at most {max_stages(num_blocks, frozen)} stages fit around "
+        f"the frozen prefix, and no shorter pipeline length dividing {initial_length} splits the global batch over "
+        "its replicas: the layout stays and the blocks freeze in place (keep_global_batch=False lifts this)"
+    )
+
+
 def choose_plan(
     costs: Sequence[float],
     frozen: int,
@@ -120,33 +144,32 @@ def choose_plan(
     num_microbatches: int | None = None,
     accept: Callable[[Layout], bool] | None = None,
     frozen_time: float = FROZEN_TIME,
-) -> Plan:
+) -> Plan | None:
     """The plan for ``frozen`` blocks, starting from ``initial_length`` stages with none frozen.
 
     ``accept`` can rule layouts out (for example those the global batch does not split over);
     ``frozen_time`` is a frozen block's cost relative to a trainable one (0 when cached).
+    None when no layout is left (:func:`kept_reason`): the caller keeps its layout.
     """
+    lengths = buildable_lengths(len(costs), frozen, world_size, initial_length, accept)
+    if not lengths:
+        return None
     start = make_plan(costs, 0, world_size, initial_length, num_microbatches)
     time_bound, memory_bound = max(start.stage_times) * (1 + 1e-9), max(start.stage_memory) * (1 + 1e-9)
-    feasible = [
-        k
-        for k in divisors(initial_length)
-        if k <= max_stages(len(costs), frozen)
-        and (k == initial_length or accept is None or accept(Layout.for_world(world_size, k)))
-    ]
-    if not feasible:
-        raise ValueError(
-            f"with {frozen} of {len(costs)} blocks frozen at most {max_stages(len(costs), frozen)} stages can be built, "
-            f"and no such pipeline length divides {initial_length} with a global batch that splits over its "
-            f"replicas: choose a global batch divisible by {world_size}, or pass keep_global_batch=False."
-        )
-    plans = [make_plan(costs, frozen, world_size, k, num_microbatches, frozen_time) for k in feasible]
+    plans = [make_plan(costs, frozen, world_size, k, num_microbatches, frozen_time) for k in lengths]
     papers = next((p for p in plans if max(p.stage_times) <= time_bound), plans[-1])
     fitting = [p for p in plans if max(p.stage_memory) <= memory_bound]
     faster = max(fitting, key=lambda p: (p.predicted_throughput, -p.layout.pipeline_length), default=None)
     if faster is not None and faster.predicted_throughput > papers.predicted_throughput:
         return faster
     return papers
+
+
+def frozen_in_place(plan: Plan, costs: Sequence[float], frozen: int, frozen_time: float = FROZEN_TIME) -> Plan:
+    """``plan``'s layout and stages with ``frozen`` blocks frozen where they are (they may span stages)."""
+    times = _stage_values(costs, frozen, plan.bounds, frozen_time)
+    memory = _stage_values(costs, frozen, plan.bounds, FROZEN_MEMORY)
+    return Plan(plan.layout, plan.num_microbatches, plan.bounds, times, memory)
 
 
 def block_costs(split: BlockSplit) -> list[float]:
@@ -345,8 +368,12 @@ class AutoPipe:
         world_size: int,
         accept: Callable[[Layout], bool] | None = None,
         frozen_time: float = FROZEN_TIME,
-    ) -> Plan:
-        """The plan for ``frozen`` leading blocks (see :func:`choose_plan`)."""
+    ) -> Plan | None:
+        """The plan for ``frozen`` leading blocks, or None to keep the layout (see :func:`choose_plan`)."""
         if frozen == 0:
             return make_plan(self.costs, 0, world_size, self.initial_length, self.microbatches)
         return choose_plan(self.costs, frozen, world_size, self.initial_length, self.microbatches, accept, frozen_time)
+
+    def kept_reason(self, frozen: int) -> str:
+        """Why :meth:`plan` gave None for ``frozen`` blocks."""
+        return kept_reason(len(self.costs), frozen, self.initial_length)
