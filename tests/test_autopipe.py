@@ -14,6 +14,7 @@ from tiny_models import build_model
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback, Layout, find_blocks
 from lightning_pipetx.strategy.autopipe import (
+    FROZEN_MEMORY,
     FROZEN_TIME,
     AutoPipe,
     ModelMemory,
@@ -134,6 +135,25 @@ def test_the_throughput_model_overrides_the_paper_rule_within_memory():
     plan = choose_plan(costs, 3, 4, 4)
     assert plan.layout == Layout(1, 4) and plan.bounds == ((0, 5),)
     assert plan.predicted_throughput > make_plan(costs, 3, 4, 2, None).predicted_throughput
+
+
+def test_memory_is_counted_in_parameters_when_costs_are_profiled_times():
+    # Blocks of 1, 1, 1 and 4 parameter units timed 1, 1, 1 and 2: the start's largest stage holds
+    # block 3, 4 units. Two stages, blocks 0-2 (block 0 frozen) and block 3, hold no more, and are
+    # predicted faster: in seconds the stage of blocks 0-2 would have looked too big.
+    plan = choose_plan([1.0, 1.0, 1.0, 2.0], 1, 4, 4, sizes=[1.0, 1.0, 1.0, 4.0])
+    assert plan.layout == Layout(2, 2) and plan.bounds == ((0, 3), (3, 4))
+    assert plan.stage_memory == (2 + FROZEN_MEMORY, 4.0)
+
+
+def test_the_planner_counts_memory_in_parameters_after_the_profile():
+    planner = AutoPipe(4, num_microbatches="auto")
+    planner.start(find_blocks(build_model("sequential")), 4, 4, budget=lambda: 0.0, profile=True)
+    size = planner.costs[0]  # 4 blocks of 1104 parameters
+    planner.take_profile(lambda: [1e-3, 1e-3, 2e-3, 1e-3])
+    assert planner.costs == [1e-3, 1e-3, 2e-3, 1e-3] and planner.sizes == [size] * 4
+    plan = planner.plan(3, 4)
+    assert plan.layout == Layout(2, 2) and plan.stage_memory == pytest.approx((3 * FROZEN_MEMORY * size, size))
 
 
 # --------------------------------------------------------- initial layout (pipeline_length="auto")

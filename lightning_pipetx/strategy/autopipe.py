@@ -3,8 +3,9 @@
 Costs per block are relative compute times (parameter counts as the fallback). A frozen
 block runs forward only, so it costs ``frozen_time`` (a third) of a trainable block, or
 nothing when its output is cached; the frozen prefix always sits on the first stage,
-outside the pipeline's backward. Memory per block is counted as four units for a
-trainable block (weights, gradients, two Adam moments) and one for a frozen block.
+outside the pipeline's backward. Memory per block follows its parameter count (never its
+time): four units per parameter for a trainable block (weights, gradients, two Adam moments)
+and one for a frozen block.
 
 The pipeline length ``K`` is chosen among the divisors of the initial length ``K0`` (so the
 global batch splits evenly over the new replicas). The paper's rule takes the smallest
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 
 from lightning_pipetx.blocks import BlockSplit
-from lightning_pipetx.strategy.partition import partition
+from lightning_pipetx.strategy.partition import partition, stage_costs
 from lightning_pipetx.strategy.topology import Layout, divisors
 
 FROZEN_TIME = 1 / 3
@@ -96,8 +97,10 @@ def make_plan(
     pipeline_length: int,
     num_microbatches: int | None,
     frozen_time: float = FROZEN_TIME,
+    sizes: Sequence[float] | None = None,
 ) -> Plan:
-    """The plan for a given pipeline length (``num_microbatches=None``: 1 for K=1, else 2K)."""
+    """The plan for a given pipeline length (``num_microbatches=None``: 1 for K=1, else 2K); its
+    stages' memory from ``sizes`` (parameters per block; ``costs`` when None)."""
     bounds = tuple(frozen_partition(costs, frozen, pipeline_length, frozen_time))
     m = num_microbatches or (1 if pipeline_length == 1 else 2 * pipeline_length)
     return Plan(
@@ -105,7 +108,7 @@ def make_plan(
         m,
         bounds,
         _stage_values(costs, frozen, bounds, frozen_time),
-        _stage_values(costs, frozen, bounds, FROZEN_MEMORY),
+        _stage_values(costs if sizes is None else sizes, frozen, bounds, FROZEN_MEMORY),
     )
 
 
@@ -144,19 +147,24 @@ def choose_plan(
     num_microbatches: int | None = None,
     accept: Callable[[Layout], bool] | None = None,
     frozen_time: float = FROZEN_TIME,
+    sizes: Sequence[float] | None = None,
 ) -> Plan | None:
     """The plan for ``frozen`` blocks, starting from ``initial_length`` stages with none frozen.
 
     ``accept`` can rule layouts out (for example those the global batch does not split over);
-    ``frozen_time`` is a frozen block's cost relative to a trainable one (0 when cached).
+    ``frozen_time`` is a frozen block's cost relative to a trainable one (0 when cached);
+    ``sizes`` are the blocks' parameter counts when ``costs`` are measured times: memory is
+    counted in them, against the largest stage of the start, which split them.
     None when no layout is left (:func:`kept_reason`): the caller keeps its layout.
     """
     lengths = buildable_lengths(len(costs), frozen, world_size, initial_length, accept)
     if not lengths:
         return None
+    sizes = costs if sizes is None else sizes
     start = make_plan(costs, 0, world_size, initial_length, num_microbatches)
-    time_bound, memory_bound = max(start.stage_times) * (1 + 1e-9), max(start.stage_memory) * (1 + 1e-9)
-    plans = [make_plan(costs, frozen, world_size, k, num_microbatches, frozen_time) for k in lengths]
+    time_bound = max(start.stage_times) * (1 + 1e-9)
+    memory_bound = max(stage_costs(sizes, partition(sizes, initial_length))) * (1 + 1e-9)
+    plans = [make_plan(costs, frozen, world_size, k, num_microbatches, frozen_time, sizes) for k in lengths]
     papers = next((p for p in plans if max(p.stage_times) <= time_bound), plans[-1])
     fitting = [p for p in plans if max(p.stage_memory) <= memory_bound]
     faster = max(fitting, key=lambda p: (p.predicted_throughput, -p.layout.pipeline_length), default=None)
@@ -298,7 +306,8 @@ class AutoPipe:
     for each frozen prefix.
 
     Costs start as parameter counts; with ``profile`` the forward seconds per block measured
-    before the first freeze replace them there (:meth:`take_profile`).
+    before the first freeze replace them there (:meth:`take_profile`). Memory is counted in
+    parameters (``sizes``) throughout.
 
     Args:
         pipeline_length: stages to start with, or ``"auto"`` (chosen within a memory budget).
@@ -309,6 +318,7 @@ class AutoPipe:
         self.pipeline_length = pipeline_length
         self.microbatches = None if num_microbatches == "auto" else num_microbatches
         self.costs: list[float] = []
+        self.sizes: list[float] = []  # parameters per block: what memory is counted in
         self.profiled = False  # the costs are measured forward times
         self.initial_length = 1
         self._awaiting_profile = False
@@ -325,6 +335,7 @@ class AutoPipe:
         ``max_length`` stages under ``"auto"``, whose stages must fit ``budget()`` bytes per device),
         and the plan with nothing frozen; with it, under ``"auto"``, a line on why."""
         self.costs = block_costs(split)
+        self.sizes = list(self.costs)
         self._awaiting_profile = profile
         why = None
         if self.pipeline_length == "auto":
@@ -371,8 +382,10 @@ class AutoPipe:
     ) -> Plan | None:
         """The plan for ``frozen`` leading blocks, or None to keep the layout (see :func:`choose_plan`)."""
         if frozen == 0:
-            return make_plan(self.costs, 0, world_size, self.initial_length, self.microbatches)
-        return choose_plan(self.costs, frozen, world_size, self.initial_length, self.microbatches, accept, frozen_time)
+            return make_plan(self.costs, 0, world_size, self.initial_length, self.microbatches, sizes=self.sizes)
+        return choose_plan(
+            self.costs, frozen, world_size, self.initial_length, self.microbatches, accept, frozen_time, self.sizes
+        )
 
     def kept_reason(self, frozen: int) -> str:
         """Why :meth:`plan` gave None for ``frozen`` blocks."""
