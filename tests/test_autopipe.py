@@ -61,7 +61,7 @@ def test_nothing_frozen_keeps_the_initial_pipeline():
 
 def test_the_pipeline_compresses_once_the_memory_bound_allows():
     costs = [1.0] * 8  # initial largest stage: two trainable blocks
-    assert choose_plan(costs, 3, 4, 4).layout == Layout(4, 1)  # 2 replicas would need 2.75 units
+    assert choose_plan(costs, 3, 4, 4).layout == Layout(4, 1)  # 2 replicas would need 4.25 units
     plan = choose_plan(costs, 6, 4, 4)
     assert plan.layout == Layout(2, 2) and plan.bounds == ((0, 6), (6, 8))  # frozen prefix costs 2, as 2 blocks
 
@@ -127,14 +127,31 @@ def test_a_free_frozen_prefix_compresses_four_stages_to_two_then_one():
     assert [choose_plan(costs, f, 4, 4).layout.pipeline_length for f in (0, 2, 3)] == [4, 2, 2]
 
 
-def test_the_throughput_model_overrides_the_paper_rule_within_memory():
+def test_the_throughput_model_stays_within_the_memory_frozen_blocks_keep():
     costs = [2.0, 2.0, 4.0, 1.0, 1.0]  # at the start (4 stages) the largest stage costs 4, memory 4
     # Three frozen blocks cost 8/3 forward-only. The paper's rule: one stage would cost 4.67 > 4,
-    # so 2 stages (2.67). But one stage needs 8/4 + 2 = 4 memory units, which fit, and four
-    # replicas without a bubble are predicted faster (4 / 4.67 against 2 * 4 / (5 * 2.67)).
-    plan = choose_plan(costs, 3, 4, 4)
-    assert plan.layout == Layout(1, 4) and plan.bounds == ((0, 5),)
-    assert plan.predicted_throughput > make_plan(costs, 3, 4, 2, None).predicted_throughput
+    # so 2 stages (2.67). Four replicas without a bubble would be predicted faster (4 / 4.67
+    # against 2 * 4 / (5 * 2.67)), but one stage holds the frozen blocks' weights and Adam
+    # moments (8 * 3/4) and 2 trainable units: 8 > 4.
+    one_stage = make_plan(costs, 3, 4, 1, None)
+    assert one_stage.predicted_throughput > make_plan(costs, 3, 4, 2, None).predicted_throughput
+    assert one_stage.stage_memory == (8.0,)
+    assert choose_plan(costs, 3, 4, 4).layout == Layout(2, 2)
+
+
+def test_a_frozen_block_keeps_three_quarters_of_its_training_state():
+    # FreezeCallback takes frozen blocks out of backward; AdamW keeps their moments, as a
+    # checkpoint does: a frozen block holds its weights and two moments, no gradient.
+    module = tm.TinySequentialRegressor(seed=0, dropout=0.0)
+    trainable = ModelMemory.of(find_blocks(module.model)).blocks  # weights, gradients, two moments
+    freeze = FreezeCallback(alpha=0.5, signal="schedule")
+    trainer = tm.make_trainer([freeze], max_epochs=1)
+    trainer.fit(module, tm.task_loader("sequential", size=16))
+    assert freeze.frozen_blocks == 2
+    state = trainer.optimizers[0].state
+    for block, size in zip(module.model.blocks[:2], trainable):
+        held = [t for p in block.parameters() for t in (p, p.grad, *state[p].values()) if t is not None]
+        assert sum(t.numel() * t.element_size() for t in held if t.dim() > 0) == FROZEN_MEMORY * size
 
 
 def test_memory_is_counted_in_parameters_when_costs_are_profiled_times():

@@ -5,7 +5,7 @@ block runs forward only, so it costs ``frozen_time`` (a third) of a trainable bl
 nothing when its output is cached; the frozen prefix always sits on the first stage,
 outside the pipeline's backward. Memory per block follows its parameter count (never its
 time): four units per parameter for a trainable block (weights, gradients, two Adam moments)
-and one for a frozen block.
+and three for a frozen block, which keeps its weights and moments (a checkpoint holds them).
 
 The pipeline length ``K`` is chosen among the divisors of the initial length ``K0`` (so the
 global batch splits evenly over the new replicas). The paper's rule takes the smallest
@@ -38,7 +38,7 @@ from lightning_pipetx.strategy.partition import partition, stage_costs
 from lightning_pipetx.strategy.topology import Layout, divisors
 
 FROZEN_TIME = 1 / 3
-FROZEN_MEMORY = 1 / 4
+FROZEN_MEMORY = 3 / 4  # weights and Adam's two moments, kept when a block freezes; no gradient
 OPTIMIZER_STATE_BYTES = 8  # per trainable element: Adam's two float32 moments
 ACTIVATION_SHARE = 0.5  # of a device's memory, kept for activations (unknown before the first batch)
 
