@@ -24,6 +24,7 @@ from lightning_pipetx.strategy.autopipe import (
     frozen_partition,
     make_plan,
     max_stages,
+    training_bytes,
 )
 from lightning_pipetx.strategy.transition import transfers
 
@@ -188,6 +189,16 @@ def test_model_memory_counts_weights_gradients_and_adam_moments():
     for p in model.blocks[0].parameters():
         p.requires_grad_(False)  # frozen: the weight alone
     assert ModelMemory.of(find_blocks(model)).blocks[0] == block * 4.0
+
+
+def test_a_weight_tied_between_pre_and_post_counts_once_on_one_stage():
+    model = tm.tiny_gpt2(dropout=0.0)  # the token embedding is the LM head's weight
+    memory = ModelMemory.of(find_blocks(model))
+    everything = (0, len(memory.blocks))
+    assert memory.stage_bytes([everything]) == [pytest.approx(training_bytes(model.parameters()))]
+    # On two stages the first trains it as pre, the last as post: each holds its gradient and moments.
+    tied = model.transformer.wte.weight.numel() * 12.0
+    assert memory.tied_training == tied and min(memory.pre_training, memory.post_training) >= tied
 
 
 def test_a_model_that_fits_one_device_trains_data_parallel():

@@ -198,19 +198,25 @@ def training_bytes(params: Iterable[nn.Parameter]) -> float:
     return total
 
 
+def _state_bytes(params: Sequence[nn.Parameter]) -> float:
+    """Gradients and optimizer state of ``params``, without their weights."""
+    return training_bytes(params) - _weight_bytes(params)
+
+
 @dataclass(frozen=True)
 class ModelMemory:
     """Bytes of training state: per block, and outside the block list.
 
     Every rank holds all weights outside the block list; their gradients and optimizer state
     live where they are trained: ``pre`` on the first stage, ``post`` on the last (a weight
-    tied between them, on both).
+    tied between them, on both: once where one stage is both).
     """
 
     blocks: tuple[float, ...]
     shared_weights: float
     pre_training: float
     post_training: float
+    tied_training: float = 0.0  # the part of pre_training that post_training counts too
 
     @classmethod
     def of(cls, split: BlockSplit) -> ModelMemory:
@@ -223,8 +229,9 @@ class ModelMemory:
         return cls(
             tuple(training_bytes(split.block_parameters(i)) for i in range(split.num_blocks)),
             _weight_bytes(shared),
-            training_bytes(pre_params) - _weight_bytes(pre_params),
-            training_bytes(post_params) - _weight_bytes(post_params),
+            _state_bytes(pre_params),
+            _state_bytes(post_params),
+            _state_bytes([p for p in pre_params if id(p) in post]),
         )
 
     def stage_bytes(self, bounds: Sequence[tuple[int, int]]) -> list[float]:
@@ -235,6 +242,7 @@ class ModelMemory:
             + self.shared_weights
             + (self.pre_training if stage == 0 else 0.0)
             + (self.post_training if stage == last else 0.0)
+            - (self.tied_training if stage == 0 == last else 0.0)
             for stage, (start, end) in enumerate(bounds)
         ]
 
