@@ -35,7 +35,8 @@ def test_bert_base_on_8_devices_prints_a_plan_that_compresses(capsys):
     assert main(["--model", "bert-base", "--devices", "8", "--pipeline-length", "8"]) == 0
     out = capsys.readouterr().out
     assert "12 blocks at 'encoder.layer'" in out
-    assert "start     frozen  0: layout 8x1, 16 micro-batches" in out
+    assert "pipeline_length 8 (given)\nstart     frozen  0: layout 8x1, 16 micro-batches" in out
+    assert "fastest predicted" not in out  # the automatic choice's reason, which was not made
     assert "layout 2x4" in out and "[transition]" in out
     assert out.strip().splitlines()[-1] == "2 layout transitions"
 
@@ -118,6 +119,16 @@ def test_automatic_length_is_the_fastest_layout_that_fits(capsys):
     assert result["initial"]["layout"] == "8x1" and "none fits" in result["initial_choice"]["reason"]
 
 
+def test_automatic_length_keeps_a_pipeline_inside_one_node(capsys):
+    # As the strategy: at most the devices of one node (and the number of blocks) per pipeline.
+    result = _run_json(capsys, "--model", "bert-base", "--devices", "16", "--num-nodes", "4", "--memory-gb", "1")
+    assert [c["layout"] for c in result["initial_choice"]["candidates"]] == ["1x16", "2x8", "4x4"]
+    assert result["initial"]["layout"] == "4x4" and "none fits" in result["initial_choice"]["reason"]
+    with pytest.raises(SystemExit):
+        main(["--model", "bert-base", "--devices", "16", "--num-nodes", "3"])
+    assert "--num-nodes 3 does not divide --devices 16" in capsys.readouterr().err
+
+
 def test_batch_size_rules_out_layouts_the_global_batch_does_not_split_over(capsys):
     args = ["--model", "bert-base", "--devices", "8", "--pipeline-length", "4", "--min-active-blocks", "3"]
     free = _run_json(capsys, *args)
@@ -177,6 +188,7 @@ def test_help(capsys):
         "--alpha",
         "--min-active-blocks",
         "--microbatches",
+        "--num-nodes",
     )
     for option in options:
         assert option in out
