@@ -3,7 +3,8 @@
 Builds the model's architecture on the ``meta`` device (no weights are allocated or
 downloaded), finds its block list, costs each block by its parameter count, picks the initial
 pipeline length as ``pipeline_length="auto"`` does (the layout predicted fastest whose
-stages' training state fits in half of ``--memory-gb``; it says why), and replays the
+stages' training state fits in half of ``--memory-gb``, each pipeline inside one of
+``--num-nodes`` nodes; it says why), and replays the
 closed-form freeze schedule ``F(T) = ceil(L * (1 - (1 - alpha) ** T))`` (capped at
 ``L - min_active_blocks``) through the same planner the strategy uses (``--cached``: the
 frozen prefix costs nothing, as with AutoCache; otherwise a third of its blocks)::
@@ -38,6 +39,8 @@ from lightning_pipetx.strategy.autopipe import (
     choose_initial_plan,
     choose_plan,
     explain_choice,
+    frozen_in_place,
+    kept_reason,
     make_plan,
 )
 from lightning_pipetx.strategy.dataloading import global_batch_fits
@@ -46,6 +49,7 @@ _BERT_LARGE = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=1
 PRESETS = {"bert-base": ("BertConfig", {}), "bert-large": ("BertConfig", _BERT_LARGE)}
 PRESETS.update({"vit-b16": ("ViTConfig", {}), "gpt2": ("GPT2Config", {})})
 _NOTES = {"transition": "transition", "repartition": "re-partition, same layout", "none": "same layout and stages"}
+_NOTES["kept"] = "no layout left: frozen in place"
 
 
 def build_model(name: str) -> nn.Module:
@@ -108,21 +112,24 @@ def dry_run(
     batch_size: int | None = None,
     cached: bool = False,
     memory_gb: float | None = None,
+    num_nodes: int = 1,
 ) -> dict[str, Any]:
     """The initial plan and the plan after each freeze step, as plain data.
 
     ``pipeline_length=None`` chooses it as ``pipeline_length="auto"`` would, for devices of
-    ``memory_gb`` (by default this machine's GPU, or 16 GiB).
+    ``memory_gb`` (by default this machine's GPU, or 16 GiB): at most the devices of one of
+    ``num_nodes`` nodes, and the number of blocks.
     """
     split = find_blocks(build_model(model))
     costs, num_blocks = block_costs(split), split.num_blocks
     budget = (memory_gb if memory_gb is not None else default_memory_gb()) * 2**30
-    chosen, candidates = choose_initial_plan(costs, ModelMemory.of(split), devices, num_blocks, budget, microbatches)
+    max_length = min(devices // num_nodes, num_blocks)
+    chosen, candidates = choose_initial_plan(costs, ModelMemory.of(split), devices, max_length, budget, microbatches)
     choice = {
         "auto": pipeline_length is None,
         "memory_budget_gb": budget / 2**30,
         "activation_share": ACTIVATION_SHARE,
-        "reason": explain_choice(chosen, candidates, budget),
+        "reason": explain_choice(chosen, candidates, budget) if pipeline_length is None else "given",
         "candidates": [
             {
                 "layout": str(c.plan.layout),
@@ -143,7 +150,12 @@ def dry_run(
     steps, previous = [], start
     for decision, frozen in freeze_steps(num_blocks, alpha, min_active_blocks):
         plan = choose_plan(costs, frozen, devices, pipeline_length, microbatches, accept, frozen_time)
-        row = {"decision": decision, "frozen": frozen, "change": change(previous, plan)}
+        row = {"decision": decision, "frozen": frozen}
+        if plan is None:  # no layout is left: the blocks freeze in place, as the strategy does
+            plan = frozen_in_place(previous, costs, frozen, frozen_time)
+            row.update(change="kept", reason=kept_reason(num_blocks, frozen, pipeline_length))
+        else:
+            row["change"] = change(previous, plan)
         steps.append({**row, **plan_dict(plan, start)})
         previous = plan
     return {
@@ -153,6 +165,7 @@ def dry_run(
         "num_blocks": num_blocks,
         "block_costs": costs,
         "devices": devices,
+        "num_nodes": num_nodes,
         "alpha": alpha,
         "min_active_blocks": min_active_blocks,
         "cached": cached,
@@ -176,6 +189,12 @@ def _stages(plan: dict[str, Any]) -> str:
     return f"blocks [{ranges}] ({plan['blocks_per_stage']}), stage costs [{costs}] M"
 
 
+def _choice_line(result: dict[str, Any]) -> str:
+    if result["initial_choice"]["auto"]:
+        return f"pipeline_length auto: {result['initial_choice']['reason']}"
+    return f"pipeline_length {result['initial']['pipeline_length']} (given)"
+
+
 def format_report(result: dict[str, Any]) -> str:
     """The dry run as readable text."""
     initial = result["initial"]
@@ -185,8 +204,7 @@ def format_report(result: dict[str, Any]) -> str:
         f"{result['devices']} devices, alpha={result['alpha']:.3g}, min_active_blocks={result['min_active_blocks']}; "
         f"costs are parameter counts (a frozen block counts {'nothing: cached' if result['cached'] else 'a third'}), "
         "layout = pipeline_length x replicas",
-        f"pipeline_length {'auto' if result['initial_choice']['auto'] else 'given'}: "
-        f"{result['initial_choice']['reason']}",
+        _choice_line(result),
         f"start     frozen  0: layout {initial['layout']}, {initial['num_microbatches']} micro-batches, {_stages(initial)}",
     ]
     for step in result["steps"]:
@@ -195,6 +213,8 @@ def format_report(result: dict[str, Any]) -> str:
             f"{step['num_microbatches']} micro-batches, {_stages(step)}, "
             f"throughput x{step['relative_throughput']:.2f} [{_NOTES[step['change']]}]"
         )
+        if "reason" in step:
+            lines.append(f"  {step['reason']}")
     count = result["transitions"]
     lines.append(f"{count} layout transition{'s' if count != 1 else ''}" if count else "no layout transition")
     return "\n".join(lines)
@@ -213,6 +233,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--devices", type=_positive, required=True, help="world size N")
     add("--pipeline-length", type=_positive, help="initial stages K0 (default: chosen as pipeline_length='auto')")
     add("--memory-gb", type=float, help="memory per device for the automatic choice (default: this GPU's, or 16)")
+    add("--num-nodes", type=_positive, default=1, help="nodes the devices span; 'auto' keeps a pipeline in one")
     add("--alpha", type=float, default=1 / 3, help="freeze progression bound, in [0.001, 1]")
     add("--min-active-blocks", type=_positive, default=1, help="blocks that never freeze")
     add("--microbatches", type=_positive, help="micro-batches (default: 1 for K=1, else 2K)")
@@ -224,6 +245,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--memory-gb must be > 0, got {args.memory_gb}")
     if not 0.001 <= args.alpha <= 1:
         parser.error(f"--alpha must be in [0.001, 1], got {args.alpha}")
+    if args.devices % args.num_nodes:
+        parser.error(f"--num-nodes {args.num_nodes} does not divide --devices {args.devices}")
     if args.pipeline_length is not None and args.devices % args.pipeline_length:
         parser.error(f"--pipeline-length {args.pipeline_length} does not divide --devices {args.devices}")
     return args

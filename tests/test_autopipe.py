@@ -4,6 +4,7 @@ import itertools
 import json
 import random
 
+import frozen_in_place_worker
 import pytest
 import tiny_models as tm
 import torch
@@ -13,14 +14,17 @@ from tiny_models import build_model
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback, Layout, find_blocks
 from lightning_pipetx.strategy.autopipe import (
+    FROZEN_MEMORY,
     FROZEN_TIME,
     AutoPipe,
     ModelMemory,
     choose_initial_plan,
     choose_plan,
+    frozen_in_place,
     frozen_partition,
     make_plan,
     max_stages,
+    training_bytes,
 )
 from lightning_pipetx.strategy.transition import transfers
 
@@ -58,7 +62,7 @@ def test_nothing_frozen_keeps_the_initial_pipeline():
 
 def test_the_pipeline_compresses_once_the_memory_bound_allows():
     costs = [1.0] * 8  # initial largest stage: two trainable blocks
-    assert choose_plan(costs, 3, 4, 4).layout == Layout(4, 1)  # 2 replicas would need 2.75 units
+    assert choose_plan(costs, 3, 4, 4).layout == Layout(4, 1)  # 2 replicas would need 4.25 units
     plan = choose_plan(costs, 6, 4, 4)
     assert plan.layout == Layout(2, 2) and plan.bounds == ((0, 6), (6, 8))  # frozen prefix costs 2, as 2 blocks
 
@@ -71,8 +75,37 @@ def test_without_a_fitting_layout_the_longest_buildable_pipeline_is_kept():
 def test_layouts_can_be_ruled_out():
     plan = choose_plan([1.0] * 8, 5, 4, 4, accept=lambda layout: layout.replicas == 1)
     assert plan.layout == Layout(4, 1)
-    with pytest.raises(ValueError, match="at most 3 stages"):
-        choose_plan([1.0] * 8, 6, 4, 4, accept=lambda layout: layout.replicas == 1)
+
+
+def test_when_no_layout_is_left_the_blocks_freeze_in_place():
+    # 4 stages do not fit around 6 frozen blocks of 8, and shorter pipelines are ruled out.
+    assert choose_plan([1.0] * 8, 6, 4, 4, accept=lambda layout: layout.replicas == 1) is None
+    planner = AutoPipe(4, num_microbatches="auto")
+    plan, _ = planner.start(find_blocks(build_model("sequential")), 4, 4, budget=lambda: 0.0, profile=False)
+    assert planner.plan(3, 4, accept=lambda layout: layout.replicas == 1) is None
+    assert "at most 2 stages fit around the frozen prefix" in planner.kept_reason(3)
+    kept, block = frozen_in_place(plan, planner.costs, 3), planner.costs[0]
+    assert kept.same_layout(plan) and kept.stage_times == pytest.approx([block * FROZEN_TIME] * 3 + [block])
+
+
+def _single_process_weights(kind):
+    freeze = FreezeCallback(alpha=0.5, signal="schedule")
+    module = tm.TinySequentialRegressor(seed=0, dropout=0.0)
+    tm.make_trainer([freeze], max_epochs=3).fit(module, frozen_in_place_worker.loader(kind, reference=True))
+    assert freeze.frozen_blocks == 3
+    return module.state_dict()
+
+
+def test_a_freeze_that_leaves_no_layout_trains_on_in_place(tmp_path):
+    # 3x1 over 4 blocks, a global batch that 3 replicas cannot share: with 3 blocks frozen
+    # neither 3 stages nor 1 can be built; the layout stays and training goes on as in one process.
+    output = run_workers("frozen_in_place_worker.py", 3, str(tmp_path))
+    assert output.count("the layout stays and the blocks freeze in place") == len(frozen_in_place_worker.KINDS)
+    for kind in frozen_in_place_worker.KINDS:
+        report = json.loads((tmp_path / f"{kind}.json").read_text())
+        assert report["layouts"] == ["3x1"] * 3 and report["frozen"] == 3
+        for key, expected in _single_process_weights(kind).items():
+            torch.testing.assert_close(torch.tensor(report["weights"][key]), expected, msg=key)
 
 
 def test_transfers_send_each_new_block_once_to_each_rank_that_lacks_it():
@@ -95,14 +128,50 @@ def test_a_free_frozen_prefix_compresses_four_stages_to_two_then_one():
     assert [choose_plan(costs, f, 4, 4).layout.pipeline_length for f in (0, 2, 3)] == [4, 2, 2]
 
 
-def test_the_throughput_model_overrides_the_paper_rule_within_memory():
+def test_the_throughput_model_stays_within_the_memory_frozen_blocks_keep():
     costs = [2.0, 2.0, 4.0, 1.0, 1.0]  # at the start (4 stages) the largest stage costs 4, memory 4
     # Three frozen blocks cost 8/3 forward-only. The paper's rule: one stage would cost 4.67 > 4,
-    # so 2 stages (2.67). But one stage needs 8/4 + 2 = 4 memory units, which fit, and four
-    # replicas without a bubble are predicted faster (4 / 4.67 against 2 * 4 / (5 * 2.67)).
-    plan = choose_plan(costs, 3, 4, 4)
-    assert plan.layout == Layout(1, 4) and plan.bounds == ((0, 5),)
-    assert plan.predicted_throughput > make_plan(costs, 3, 4, 2, None).predicted_throughput
+    # so 2 stages (2.67). Four replicas without a bubble would be predicted faster (4 / 4.67
+    # against 2 * 4 / (5 * 2.67)), but one stage holds the frozen blocks' weights and Adam
+    # moments (8 * 3/4) and 2 trainable units: 8 > 4.
+    one_stage = make_plan(costs, 3, 4, 1, None)
+    assert one_stage.predicted_throughput > make_plan(costs, 3, 4, 2, None).predicted_throughput
+    assert one_stage.stage_memory == (8.0,)
+    assert choose_plan(costs, 3, 4, 4).layout == Layout(2, 2)
+
+
+def test_a_frozen_block_keeps_three_quarters_of_its_training_state():
+    # FreezeCallback takes frozen blocks out of backward; AdamW keeps their moments, as a
+    # checkpoint does: a frozen block holds its weights and two moments, no gradient.
+    module = tm.TinySequentialRegressor(seed=0, dropout=0.0)
+    trainable = ModelMemory.of(find_blocks(module.model)).blocks  # weights, gradients, two moments
+    freeze = FreezeCallback(alpha=0.5, signal="schedule")
+    trainer = tm.make_trainer([freeze], max_epochs=1)
+    trainer.fit(module, tm.task_loader("sequential", size=16))
+    assert freeze.frozen_blocks == 2
+    state = trainer.optimizers[0].state
+    for block, size in zip(module.model.blocks[:2], trainable):
+        held = [t for p in block.parameters() for t in (p, p.grad, *state[p].values()) if t is not None]
+        assert sum(t.numel() * t.element_size() for t in held if t.dim() > 0) == FROZEN_MEMORY * size
+
+
+def test_memory_is_counted_in_parameters_when_costs_are_profiled_times():
+    # Blocks of 1, 1, 1 and 4 parameter units timed 1, 1, 1 and 2: the start's largest stage holds
+    # block 3, 4 units. Two stages, blocks 0-2 (block 0 frozen) and block 3, hold no more, and are
+    # predicted faster: in seconds the stage of blocks 0-2 would have looked too big.
+    plan = choose_plan([1.0, 1.0, 1.0, 2.0], 1, 4, 4, sizes=[1.0, 1.0, 1.0, 4.0])
+    assert plan.layout == Layout(2, 2) and plan.bounds == ((0, 3), (3, 4))
+    assert plan.stage_memory == (2 + FROZEN_MEMORY, 4.0)
+
+
+def test_the_planner_counts_memory_in_parameters_after_the_profile():
+    planner = AutoPipe(4, num_microbatches="auto")
+    planner.start(find_blocks(build_model("sequential")), 4, 4, budget=lambda: 0.0, profile=True)
+    size = planner.costs[0]  # 4 blocks of 1104 parameters
+    planner.take_profile(lambda: [1e-3, 1e-3, 2e-3, 1e-3])
+    assert planner.costs == [1e-3, 1e-3, 2e-3, 1e-3] and planner.sizes == [size] * 4
+    plan = planner.plan(3, 4)
+    assert plan.layout == Layout(2, 2) and plan.stage_memory == pytest.approx((3 * FROZEN_MEMORY * size, size))
 
 
 # --------------------------------------------------------- initial layout (pipeline_length="auto")
@@ -120,6 +189,16 @@ def test_model_memory_counts_weights_gradients_and_adam_moments():
     for p in model.blocks[0].parameters():
         p.requires_grad_(False)  # frozen: the weight alone
     assert ModelMemory.of(find_blocks(model)).blocks[0] == block * 4.0
+
+
+def test_a_weight_tied_between_pre_and_post_counts_once_on_one_stage():
+    model = tm.tiny_gpt2(dropout=0.0)  # the token embedding is the LM head's weight
+    memory = ModelMemory.of(find_blocks(model))
+    everything = (0, len(memory.blocks))
+    assert memory.stage_bytes([everything]) == [pytest.approx(training_bytes(model.parameters()))]
+    # On two stages the first trains it as pre, the last as post: each holds its gradient and moments.
+    tied = model.transformer.wte.weight.numel() * 12.0
+    assert memory.tied_training == tied and min(memory.pre_training, memory.post_training) >= tied
 
 
 def test_a_model_that_fits_one_device_trains_data_parallel():

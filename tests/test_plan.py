@@ -35,7 +35,8 @@ def test_bert_base_on_8_devices_prints_a_plan_that_compresses(capsys):
     assert main(["--model", "bert-base", "--devices", "8", "--pipeline-length", "8"]) == 0
     out = capsys.readouterr().out
     assert "12 blocks at 'encoder.layer'" in out
-    assert "start     frozen  0: layout 8x1, 16 micro-batches" in out
+    assert "pipeline_length 8 (given)\nstart     frozen  0: layout 8x1, 16 micro-batches" in out
+    assert "fastest predicted" not in out  # the automatic choice's reason, which was not made
     assert "layout 2x4" in out and "[transition]" in out
     assert out.strip().splitlines()[-1] == "2 layout transitions"
 
@@ -118,6 +119,16 @@ def test_automatic_length_is_the_fastest_layout_that_fits(capsys):
     assert result["initial"]["layout"] == "8x1" and "none fits" in result["initial_choice"]["reason"]
 
 
+def test_automatic_length_keeps_a_pipeline_inside_one_node(capsys):
+    # As the strategy: at most the devices of one node (and the number of blocks) per pipeline.
+    result = _run_json(capsys, "--model", "bert-base", "--devices", "16", "--num-nodes", "4", "--memory-gb", "1")
+    assert [c["layout"] for c in result["initial_choice"]["candidates"]] == ["1x16", "2x8", "4x4"]
+    assert result["initial"]["layout"] == "4x4" and "none fits" in result["initial_choice"]["reason"]
+    with pytest.raises(SystemExit):
+        main(["--model", "bert-base", "--devices", "16", "--num-nodes", "3"])
+    assert "--num-nodes 3 does not divide --devices 16" in capsys.readouterr().err
+
+
 def test_batch_size_rules_out_layouts_the_global_batch_does_not_split_over(capsys):
     args = ["--model", "bert-base", "--devices", "8", "--pipeline-length", "4", "--min-active-blocks", "3"]
     free = _run_json(capsys, *args)
@@ -125,9 +136,15 @@ def test_batch_size_rules_out_layouts_the_global_batch_does_not_split_over(capsy
     # Global batch 3 x 2 replicas = 6: neither 4 nor 8 replicas can share it evenly.
     held = _run_json(capsys, *args, "--batch-size", "3")
     assert [step["layout"] for step in held["steps"]] == ["4x2", "4x2", "4x2"] and held["transitions"] == 0
-    # With 10 blocks frozen 4 stages cannot be built, and 4 replicas cannot share the batch.
-    assert main([*args[:-2], "--batch-size", "3"]) == 2
-    assert "no such pipeline length divides 4" in capsys.readouterr().err
+    # With 10 blocks frozen 4 stages cannot be built, and 4 replicas cannot share the batch: the
+    # layout stays and the blocks freeze in place, as the strategy does.
+    kept = _run_json(capsys, *args[:-2], "--batch-size", "3")
+    assert [step["frozen"] for step in kept["steps"]] == [4, 7, 9, 10, 11]
+    assert [step["change"] for step in kept["steps"][3:]] == ["kept", "kept"]
+    assert {tuple(map(tuple, step["bounds"])) for step in kept["steps"][2:]} == {((0, 9), (9, 10), (10, 11), (11, 12))}
+    assert main([*args[:-2], "--batch-size", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "frozen 10: layout 4x2" in out and "with 10 of 12 blocks frozen at most 3 stages fit" in out
 
 
 def test_models_are_built_without_weights():
@@ -171,6 +188,7 @@ def test_help(capsys):
         "--alpha",
         "--min-active-blocks",
         "--microbatches",
+        "--num-nodes",
     )
     for option in options:
         assert option in out

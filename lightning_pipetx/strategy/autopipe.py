@@ -3,15 +3,18 @@
 Costs per block are relative compute times (parameter counts as the fallback). A frozen
 block runs forward only, so it costs ``frozen_time`` (a third) of a trainable block, or
 nothing when its output is cached; the frozen prefix always sits on the first stage,
-outside the pipeline's backward. Memory per block is counted as four units for a
-trainable block (weights, gradients, two Adam moments) and one for a frozen block.
+outside the pipeline's backward. Memory per block follows its parameter count (never its
+time): four units per parameter for a trainable block (weights, gradients, two Adam moments)
+and three for a frozen block, which keeps its weights and moments (a checkpoint holds them).
 
 The pipeline length ``K`` is chosen among the divisors of the initial length ``K0`` (so the
 global batch splits evenly over the new replicas). The paper's rule takes the smallest
 ``K`` whose largest stage costs no more than the largest stage at the start (the longest
 buildable pipeline when none does); the throughput model
 ``replicas * M / ((M + K - 1) * largest_stage_time)`` replaces that choice by a faster one
-whose largest stage needs no more memory than the largest stage at the start.
+whose largest stage needs no more memory than the largest stage at the start. When no ``K``
+fits around the frozen prefix and splits the global batch, the layout stays and the blocks
+freeze in place (the prefix then spans the first stages).
 
 The *initial* pipeline length (``pipeline_length="auto"``) is chosen in bytes instead: among
 the divisors of the world size, the layout predicted fastest whose largest stage's training
@@ -31,11 +34,11 @@ import torch
 from torch import nn
 
 from lightning_pipetx.blocks import BlockSplit
-from lightning_pipetx.strategy.partition import partition
+from lightning_pipetx.strategy.partition import partition, stage_costs
 from lightning_pipetx.strategy.topology import Layout, divisors
 
 FROZEN_TIME = 1 / 3
-FROZEN_MEMORY = 1 / 4
+FROZEN_MEMORY = 3 / 4  # weights and Adam's two moments, kept when a block freezes; no gradient
 OPTIMIZER_STATE_BYTES = 8  # per trainable element: Adam's two float32 moments
 ACTIVATION_SHARE = 0.5  # of a device's memory, kept for activations (unknown before the first batch)
 
@@ -94,8 +97,10 @@ def make_plan(
     pipeline_length: int,
     num_microbatches: int | None,
     frozen_time: float = FROZEN_TIME,
+    sizes: Sequence[float] | None = None,
 ) -> Plan:
-    """The plan for a given pipeline length (``num_microbatches=None``: 1 for K=1, else 2K)."""
+    """The plan for a given pipeline length (``num_microbatches=None``: 1 for K=1, else 2K); its
+    stages' memory from ``sizes`` (parameters per block; ``costs`` when None)."""
     bounds = tuple(frozen_partition(costs, frozen, pipeline_length, frozen_time))
     m = num_microbatches or (1 if pipeline_length == 1 else 2 * pipeline_length)
     return Plan(
@@ -103,13 +108,35 @@ def make_plan(
         m,
         bounds,
         _stage_values(costs, frozen, bounds, frozen_time),
-        _stage_values(costs, frozen, bounds, FROZEN_MEMORY),
+        _stage_values(costs if sizes is None else sizes, frozen, bounds, FROZEN_MEMORY),
     )
 
 
 def max_stages(num_blocks: int, frozen: int) -> int:
     """The most stages a frozen prefix allows: it shares the first stage."""
     return num_blocks if frozen <= 0 else 1 + num_blocks - frozen
+
+
+def buildable_lengths(
+    num_blocks: int, frozen: int, world_size: int, initial_length: int, accept: Callable[[Layout], bool] | None = None
+) -> list[int]:
+    """The divisors of ``initial_length`` that fit around a frozen prefix on the first stage and
+    whose layout ``accept`` keeps (the initial layout always is)."""
+    return [
+        k
+        for k in divisors(initial_length)
+        if k <= max_stages(num_blocks, frozen)
+        and (k == initial_length or accept is None or accept(Layout.for_world(world_size, k)))
+    ]
+
+
+def kept_reason(num_blocks: int, frozen: int, initial_length: int) -> str:
+    """Why :func:`choose_plan` found no layout for ``frozen`` blocks."""
+    return (
+        f"with {frozen} of {num_blocks} blocks frozen at most {max_stages(num_blocks, frozen)} stages fit around "
+        f"the frozen prefix, and no shorter pipeline length dividing {initial_length} splits the global batch over "
+        "its replicas: the layout stays and the blocks freeze in place (keep_global_batch=False lifts this)"
+    )
 
 
 def choose_plan(
@@ -120,33 +147,37 @@ def choose_plan(
     num_microbatches: int | None = None,
     accept: Callable[[Layout], bool] | None = None,
     frozen_time: float = FROZEN_TIME,
-) -> Plan:
+    sizes: Sequence[float] | None = None,
+) -> Plan | None:
     """The plan for ``frozen`` blocks, starting from ``initial_length`` stages with none frozen.
 
     ``accept`` can rule layouts out (for example those the global batch does not split over);
-    ``frozen_time`` is a frozen block's cost relative to a trainable one (0 when cached).
+    ``frozen_time`` is a frozen block's cost relative to a trainable one (0 when cached);
+    ``sizes`` are the blocks' parameter counts when ``costs`` are measured times: memory is
+    counted in them, against the largest stage of the start, which split them.
+    None when no layout is left (:func:`kept_reason`): the caller keeps its layout.
     """
+    lengths = buildable_lengths(len(costs), frozen, world_size, initial_length, accept)
+    if not lengths:
+        return None
+    sizes = costs if sizes is None else sizes
     start = make_plan(costs, 0, world_size, initial_length, num_microbatches)
-    time_bound, memory_bound = max(start.stage_times) * (1 + 1e-9), max(start.stage_memory) * (1 + 1e-9)
-    feasible = [
-        k
-        for k in divisors(initial_length)
-        if k <= max_stages(len(costs), frozen)
-        and (k == initial_length or accept is None or accept(Layout.for_world(world_size, k)))
-    ]
-    if not feasible:
-        raise ValueError(
-            f"with {frozen} of {len(costs)} blocks frozen at most {max_stages(len(costs), frozen)} stages can be built, "
-            f"and no such pipeline length divides {initial_length} with a global batch that splits over its "
-            f"replicas: choose a global batch divisible by {world_size}, or pass keep_global_batch=False."
-        )
-    plans = [make_plan(costs, frozen, world_size, k, num_microbatches, frozen_time) for k in feasible]
+    time_bound = max(start.stage_times) * (1 + 1e-9)
+    memory_bound = max(stage_costs(sizes, partition(sizes, initial_length))) * (1 + 1e-9)
+    plans = [make_plan(costs, frozen, world_size, k, num_microbatches, frozen_time, sizes) for k in lengths]
     papers = next((p for p in plans if max(p.stage_times) <= time_bound), plans[-1])
     fitting = [p for p in plans if max(p.stage_memory) <= memory_bound]
     faster = max(fitting, key=lambda p: (p.predicted_throughput, -p.layout.pipeline_length), default=None)
     if faster is not None and faster.predicted_throughput > papers.predicted_throughput:
         return faster
     return papers
+
+
+def frozen_in_place(plan: Plan, costs: Sequence[float], frozen: int, frozen_time: float = FROZEN_TIME) -> Plan:
+    """``plan``'s layout and stages with ``frozen`` blocks frozen where they are (they may span stages)."""
+    times = _stage_values(costs, frozen, plan.bounds, frozen_time)
+    memory = _stage_values(costs, frozen, plan.bounds, FROZEN_MEMORY)
+    return Plan(plan.layout, plan.num_microbatches, plan.bounds, times, memory)
 
 
 def block_costs(split: BlockSplit) -> list[float]:
@@ -167,19 +198,25 @@ def training_bytes(params: Iterable[nn.Parameter]) -> float:
     return total
 
 
+def _state_bytes(params: Sequence[nn.Parameter]) -> float:
+    """Gradients and optimizer state of ``params``, without their weights."""
+    return training_bytes(params) - _weight_bytes(params)
+
+
 @dataclass(frozen=True)
 class ModelMemory:
     """Bytes of training state: per block, and outside the block list.
 
     Every rank holds all weights outside the block list; their gradients and optimizer state
     live where they are trained: ``pre`` on the first stage, ``post`` on the last (a weight
-    tied between them, on both).
+    tied between them, on both: once where one stage is both).
     """
 
     blocks: tuple[float, ...]
     shared_weights: float
     pre_training: float
     post_training: float
+    tied_training: float = 0.0  # the part of pre_training that post_training counts too
 
     @classmethod
     def of(cls, split: BlockSplit) -> ModelMemory:
@@ -192,8 +229,9 @@ class ModelMemory:
         return cls(
             tuple(training_bytes(split.block_parameters(i)) for i in range(split.num_blocks)),
             _weight_bytes(shared),
-            training_bytes(pre_params) - _weight_bytes(pre_params),
-            training_bytes(post_params) - _weight_bytes(post_params),
+            _state_bytes(pre_params),
+            _state_bytes(post_params),
+            _state_bytes([p for p in pre_params if id(p) in post]),
         )
 
     def stage_bytes(self, bounds: Sequence[tuple[int, int]]) -> list[float]:
@@ -204,6 +242,7 @@ class ModelMemory:
             + self.shared_weights
             + (self.pre_training if stage == 0 else 0.0)
             + (self.post_training if stage == last else 0.0)
+            - (self.tied_training if stage == 0 == last else 0.0)
             for stage, (start, end) in enumerate(bounds)
         ]
 
@@ -275,7 +314,8 @@ class AutoPipe:
     for each frozen prefix.
 
     Costs start as parameter counts; with ``profile`` the forward seconds per block measured
-    before the first freeze replace them there (:meth:`take_profile`).
+    before the first freeze replace them there (:meth:`take_profile`). Memory is counted in
+    parameters (``sizes``) throughout.
 
     Args:
         pipeline_length: stages to start with, or ``"auto"`` (chosen within a memory budget).
@@ -286,6 +326,7 @@ class AutoPipe:
         self.pipeline_length = pipeline_length
         self.microbatches = None if num_microbatches == "auto" else num_microbatches
         self.costs: list[float] = []
+        self.sizes: list[float] = []  # parameters per block: what memory is counted in
         self.profiled = False  # the costs are measured forward times
         self.initial_length = 1
         self._awaiting_profile = False
@@ -302,6 +343,7 @@ class AutoPipe:
         ``max_length`` stages under ``"auto"``, whose stages must fit ``budget()`` bytes per device),
         and the plan with nothing frozen; with it, under ``"auto"``, a line on why."""
         self.costs = block_costs(split)
+        self.sizes = list(self.costs)
         self._awaiting_profile = profile
         why = None
         if self.pipeline_length == "auto":
@@ -345,8 +387,14 @@ class AutoPipe:
         world_size: int,
         accept: Callable[[Layout], bool] | None = None,
         frozen_time: float = FROZEN_TIME,
-    ) -> Plan:
-        """The plan for ``frozen`` leading blocks (see :func:`choose_plan`)."""
+    ) -> Plan | None:
+        """The plan for ``frozen`` leading blocks, or None to keep the layout (see :func:`choose_plan`)."""
         if frozen == 0:
-            return make_plan(self.costs, 0, world_size, self.initial_length, self.microbatches)
-        return choose_plan(self.costs, frozen, world_size, self.initial_length, self.microbatches, accept, frozen_time)
+            return make_plan(self.costs, 0, world_size, self.initial_length, self.microbatches, sizes=self.sizes)
+        return choose_plan(
+            self.costs, frozen, world_size, self.initial_length, self.microbatches, accept, frozen_time, self.sizes
+        )
+
+    def kept_reason(self, frozen: int) -> str:
+        """Why :meth:`plan` gave None for ``frozen`` blocks."""
+        return kept_reason(len(self.costs), frozen, self.initial_length)

@@ -211,12 +211,13 @@ class ElasticPipelineStrategy(DDPStrategy):
             budget = float(value)
         return budget
 
-    def _plan(self, frozen: int) -> Plan:
+    def _plan(self, frozen: int) -> Plan | None:
         if frozen == 0:
             return self._require_autopipe().plan(0, self.world_size)
         # A cached frozen prefix costs nothing; computed, it costs its forward pass.
         frozen_time = 0.0 if self._autocache.active(self.root_device, self.world_size) else FROZEN_TIME
-        return self._require_autopipe().plan(frozen, self.world_size, self._autodp.accepts, frozen_time)
+        plan = self._require_autopipe().plan(frozen, self.world_size, self._autodp.accepts, frozen_time)
+        return self.broadcast(plan)  # global rank 0's decision, taken by every rank
 
     def _start_plan(self, split: BlockSplit, num_microbatches: int | str) -> Plan:
         """The run's planner and its plan with nothing frozen (logged on global rank 0)."""
@@ -343,7 +344,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         (``split``: its view of the model, with what its trace found outside ``pre``).
 
         With ``elastic=True`` the strategy re-plans the layout for the new frozen prefix and,
-        when the plan changed, moves to it before the next epoch's dataloaders are built.
+        when the plan changed, moves to it before the next epoch's dataloaders are built; when no
+        layout is left for the prefix, its blocks freeze in place.
         """
         engine = self._require_engine()
         engine.share_updated_params(self.optimizers)
@@ -357,6 +359,11 @@ class ElasticPipelineStrategy(DDPStrategy):
             log.info("pipetx: block costs from profiled forward time: %s", [f"{s:.2e}" for s in seconds])
         previous, self._frozen = self._frozen, frozen_blocks
         new_plan = self._plan(frozen_blocks)
+        if new_plan is None:  # no layout is left for this prefix: it freezes in place, as with elastic=False
+            if self.is_global_zero:
+                why = self._require_autopipe().kept_reason(frozen_blocks)
+                log.info("pipetx: frozen %d->%d blocks, %s", previous, frozen_blocks, why)
+            return
         if new_plan.same_layout(engine.plan):
             return
         self.engine, done = self._autodp.transition(
