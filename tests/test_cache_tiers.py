@@ -3,6 +3,9 @@ guard's deferred verdict, and a tier dropped when reading it was measured slower
 
 import errno
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -12,8 +15,10 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
+import lightning_pipetx
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 from lightning_pipetx.autocache import AutoCache, CacheControl, CacheFeed, CacheSite
+from lightning_pipetx.autocache.tiers import ram_room
 from lightning_pipetx.strategy.p2p import Activation
 
 ROW_BYTES = tm.SEQ_LEN * tm.HIDDEN * 4  # one sample's hidden state, float32
@@ -98,6 +103,41 @@ def test_a_full_disk_switches_the_cache_off_with_a_warning_instead_of_failing_th
     assert "no room for the states of depth 1" in caplog.text and "cache_dir=" in caplog.text
     assert not list((tmp_path / "spill").glob("depth1*")) and not list((tmp_path / "ram").glob("depth1*"))
     cache.close(remove_files=True)
+
+
+def test_a_depth_goes_to_ram_only_where_it_leaves_half_the_mounts_free_space_free():
+    mib = 2**20
+    # Docker's 64 MB /dev/shm, empty: a 40 MiB depth would leave DataLoader workers no room for a batch
+    assert ram_room(budget=8 * 2**30, held=0, free=64 * mib) == 32 * mib
+    assert ram_room(budget=8 * 2**30, held=20 * mib, free=44 * mib) == 22 * mib  # held bytes are not free
+    assert ram_room(budget=30 * mib, held=20 * mib, free=2**40) == 10 * mib  # the budget still bounds
+
+
+_STORE_40_ROWS = """
+import sys, torch
+from pathlib import Path
+from lightning_pipetx.autocache import AutoCache
+from lightning_pipetx.strategy.p2p import Activation
+ram = Path(sys.argv[1])
+cache = AutoCache(ram, ram.parent / "spill", 40, ram_budget=2**30, device_budget=0)
+cache.store(torch.arange(40), 1, Activation.of_hidden(torch.ones(40, 2**14), 0))  # 2.5 MiB
+print("host", cache.tier_bytes("host"), "disk", cache.tier_bytes("disk"))
+"""
+
+
+def test_a_depth_spills_to_disk_before_it_fills_a_small_ram_mount(tmp_path):
+    """A real 4 MiB tmpfs (the RAM folder of a container), mounted in a mount namespace of the test's own."""
+    ram = tmp_path / "shm"
+    ram.mkdir()
+    mount = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size=4m tmpfs "{ram}" && exec "$@"', "sh"]
+    if shutil.which("unshare") is None or subprocess.run([*mount, "true"], capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs in a mount namespace of its own is not permitted here")
+    package = str(Path(lightning_pipetx.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([package, os.environ.get("PYTHONPATH", "")])}
+    command = [*mount, sys.executable, "-c", _STORE_40_ROWS, str(ram)]
+    run = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path)  # imports ``package``
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.split() == ["host", "0", "disk", str(40 * 2**16)]
 
 
 def _node_caches(tmp_path):

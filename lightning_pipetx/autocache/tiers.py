@@ -57,6 +57,15 @@ def free_bytes(folder: Path) -> int:
     return stats.f_bavail * stats.f_frsize
 
 
+RAM_FREE_SHARE = 1 / 2  # of the RAM mount's free space a new depth may take: the rest stays for others
+
+
+def ram_room(budget: int, held: int, free: int) -> int:
+    """Bytes a new depth may take in RAM: what ``budget`` leaves beside the ``held`` bytes, and no more
+    than half the mount's ``free`` bytes (DataLoader workers pass their batches through it too)."""
+    return min(budget - held, int(free * RAM_FREE_SHARE))
+
+
 class SharedFileMismatchError(RuntimeError):
     """Two ranks of a node would keep different states in one shared depth file."""
 
