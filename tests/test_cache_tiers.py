@@ -288,6 +288,19 @@ def test_the_feed_records_the_loaders_opens_each_cache_once_and_hands_out_keys(t
     assert not feed.open and feed.training_keys() == (None, None)
 
 
+def test_processes_with_cache_folders_of_their_own_divide_the_nodes_ram_budget(tmp_path):
+    row = 3 * 2 * 4
+    site = CacheSite(_run(tmp_path), 0, torch.device("cpu"), share_host=False, private_processes=2)
+    feed = CacheFeed(CacheControl("auto", str(tmp_path), ram_bytes=6 * row, device_bytes=0))
+    feed.training_loader(DataLoader(list(range(4)), batch_size=4), site)
+    feed.validation_loader(DataLoader(list(range(4)), batch_size=4), site)
+    training, validation = (_checked(cache, 4) for cache in (feed.control.cache, feed.control.eval_cache))
+    assert training.ram_budget == validation.ram_budget == 3 * row
+    training.store(torch.arange(4), 1, _states(1, 4))  # 4 rows: beyond this process's 3, on disk
+    assert training.tier_bytes("host") == 0 and training.tier_bytes("disk") == 4 * row
+    feed.close(remove_files=True)
+
+
 def test_the_feed_leaves_alone_what_it_cannot_cache(tmp_path):
     site = CacheSite(_run(tmp_path), 0, torch.device("cpu"), share_host=False)
     endless = DataLoader(_Endless(), batch_size=2)

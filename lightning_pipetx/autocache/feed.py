@@ -30,13 +30,15 @@ SEVERAL_LOADERS = (
 
 @dataclass(frozen=True)
 class CacheSite:
-    """Where this rank's caches live: the run, the node, the training device, and whether
-    several first stages of the node read the host tier."""
+    """Where this rank's caches live: the run, the node, the training device, whether several
+    first stages of the node read the host tier, and how many processes of the node keep caches
+    in folders of their own (each then holds to its share of the node's RAM budget)."""
 
     run_token: str
     node_rank: int
     device: torch.device
     share_host: bool
+    private_processes: int = 1
 
 
 def _has_len(dataset: Any) -> bool:
@@ -95,7 +97,9 @@ class CacheFeed:
             return loader, None
         self._training_dataset = loader.dataset
         size = len(loader.dataset)
-        return loader, self.control.open(site.run_token, site.node_rank, size, site.device, site.share_host)
+        return loader, self.control.open(
+            site.run_token, site.node_rank, size, site.device, site.share_host, site.private_processes
+        )
 
     def validation_loader(self, loader: DataLoader, site: CacheSite) -> DataLoader:
         """``loader``, recording its batches if it is the recorded one (the first, or a reload of it)."""
@@ -104,7 +108,9 @@ class CacheFeed:
         loader = self._validation.record(loader)
         if self._validation.dataset is loader.dataset:
             size = len(loader.dataset)
-            self.control.open_eval(site.run_token, site.node_rank, size, site.device, site.share_host)
+            self.control.open_eval(
+                site.run_token, site.node_rank, size, site.device, site.share_host, site.private_processes
+            )
         return loader
 
     def _reload_refusal(self, dataset: Any, cached_samples: int) -> str | None:
