@@ -301,6 +301,26 @@ def test_processes_with_cache_folders_of_their_own_divide_the_nodes_ram_budget(t
     feed.close(remove_files=True)
 
 
+def test_a_validation_loader_rebuilt_over_another_dataset_frees_the_validation_cache_with_the_reason(tmp_path, caplog):
+    site = CacheSite(_run(tmp_path), 0, torch.device("cpu"), share_host=False)
+    feed = CacheFeed(CacheControl("auto", str(tmp_path), ram_bytes=2**20, device_bytes=0))
+    feed.training_loader(DataLoader(list(range(4)), batch_size=4), site)
+    val = feed.validation_loader(DataLoader(list(range(4)), batch_size=4), site)
+    feed.begin_validation([val], world_size=1)
+    cache = _checked(feed.control.eval_cache, 4)
+    cache.store(torch.arange(4), 1, _states(1, 4))
+    assert cache.tier_bytes("host") > 0 and list(cache.directory.glob("depth1*"))
+    rebuilt = feed.validation_loader(
+        DataLoader(list(range(10, 14)), batch_size=4), site
+    )  # reload_dataloaders_every_n_epochs
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        feed.begin_validation([rebuilt], world_size=1)
+    assert not cache.enabled and "rebuilt over another dataset object" in caplog.text
+    assert cache.tier_bytes("host") == 0 and not list(cache.directory.glob("depth1*"))  # memory and files freed
+    assert feed.control.cache.enabled  # training keeps its cache
+    feed.close(remove_files=True)
+
+
 def test_the_feed_leaves_alone_what_it_cannot_cache(tmp_path):
     site = CacheSite(_run(tmp_path), 0, torch.device("cpu"), share_host=False)
     endless = DataLoader(_Endless(), batch_size=2)

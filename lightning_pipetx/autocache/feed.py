@@ -27,6 +27,11 @@ SEVERAL_LOADERS = (
     "(max_size_cycle) would name the wrong samples"
 )
 
+RELOADED_VALIDATION = (
+    "the validation loader was rebuilt over another dataset object, whose indices may name other samples "
+    "than the cached states; return the same dataset object from val_dataloader() to keep the cache"
+)
+
 
 @dataclass(frozen=True)
 class CacheSite:
@@ -145,10 +150,12 @@ class CacheFeed:
         return torch.tensor(dropped, dtype=torch.long), lambda: collate([dataset[i] for i in dropped])
 
     def begin_validation(self, loaders: Any, world_size: int) -> None:
-        """Before a validation run in fit (a collective where the validation cache exists)."""
+        """Before a validation run in fit (a collective where the validation cache exists). A
+        recorded loader rebuilt over another dataset switches the validation cache off: it is freed."""
         if self.control.eval_cache is not None:
+            if not self._validation.locate(loaders):
+                self.control.refuse_validation(RELOADED_VALIDATION)
             self.control.begin_validation(world_size)
-            self._validation.locate(loaders)
 
     def validation_keys(self, step_args: tuple) -> tuple[AutoCache | None, torch.Tensor | None, torch.Tensor | None]:
         """For a validation step: the cache serving it (None: not served), and the dataset indices
