@@ -59,6 +59,19 @@ def test_the_device_tier_serves_first_and_host_ram_the_rest(tmp_path):
     cache.close(remove_files=True)
 
 
+def test_a_sample_drawn_several_times_into_a_batch_takes_one_device_slot(tmp_path):
+    row = 3 * 2 * 4
+    cache = _checked(AutoCache(tmp_path / "ram", tmp_path / "spill", 4, 2**20, device_budget=2 * row), 4)
+    drawn = torch.tensor([3, 3, 1, 3])  # a sampler drawing with replacement
+    cache.store(drawn, 1, Activation.of_hidden(drawn.float()[:, None, None].expand(4, 3, 2).clone(), 0))
+    assert cache.tier_bytes("device") == 2 * row and cache.tier_bytes("host") == 4 * row
+    indices = torch.tensor([1, 3, 3])
+    level, states, _ = cache.lookup(indices, 1)
+    assert level == 1 and torch.equal(states, indices.float()[:, None, None].expand(3, 3, 2))
+    assert dict(cache.take_counts().served) == {"device": 3, "host": 0, "disk": 0}  # 1 and 3 both on the device
+    cache.close(remove_files=True)
+
+
 def test_a_depth_spills_to_disk_beyond_the_ram_budget_and_refills_ram_once_older_depths_go(tmp_path):
     row = 3 * 2 * 4
     cache = _checked(AutoCache(tmp_path / "ram", tmp_path / "spill", 4, ram_budget=4 * row + 4, device_budget=0), 4)
