@@ -3,6 +3,9 @@ guard's deferred verdict, and a tier dropped when reading it was measured slower
 
 import errno
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -12,8 +15,10 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
+import lightning_pipetx
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 from lightning_pipetx.autocache import AutoCache, CacheControl, CacheFeed, CacheSite
+from lightning_pipetx.autocache.tiers import ram_room
 from lightning_pipetx.strategy.p2p import Activation
 
 ROW_BYTES = tm.SEQ_LEN * tm.HIDDEN * 4  # one sample's hidden state, float32
@@ -51,6 +56,19 @@ def test_the_device_tier_serves_first_and_host_ram_the_rest(tmp_path):
     assert (counts.hits, counts.lookups) == (4, 4)
     assert dict(counts.served) == {"device": 2, "host": 2, "disk": 0}
     assert counts.served_bytes["device"] == 2 * row
+    cache.close(remove_files=True)
+
+
+def test_a_sample_drawn_several_times_into_a_batch_takes_one_device_slot(tmp_path):
+    row = 3 * 2 * 4
+    cache = _checked(AutoCache(tmp_path / "ram", tmp_path / "spill", 4, 2**20, device_budget=2 * row), 4)
+    drawn = torch.tensor([3, 3, 1, 3])  # a sampler drawing with replacement
+    cache.store(drawn, 1, Activation.of_hidden(drawn.float()[:, None, None].expand(4, 3, 2).clone(), 0))
+    assert cache.tier_bytes("device") == 2 * row and cache.tier_bytes("host") == 4 * row
+    indices = torch.tensor([1, 3, 3])
+    level, states, _ = cache.lookup(indices, 1)
+    assert level == 1 and torch.equal(states, indices.float()[:, None, None].expand(3, 3, 2))
+    assert dict(cache.take_counts().served) == {"device": 3, "host": 0, "disk": 0}  # 1 and 3 both on the device
     cache.close(remove_files=True)
 
 
@@ -98,6 +116,41 @@ def test_a_full_disk_switches_the_cache_off_with_a_warning_instead_of_failing_th
     assert "no room for the states of depth 1" in caplog.text and "cache_dir=" in caplog.text
     assert not list((tmp_path / "spill").glob("depth1*")) and not list((tmp_path / "ram").glob("depth1*"))
     cache.close(remove_files=True)
+
+
+def test_a_depth_goes_to_ram_only_where_it_leaves_half_the_mounts_free_space_free():
+    mib = 2**20
+    # Docker's 64 MB /dev/shm, empty: a 40 MiB depth would leave DataLoader workers no room for a batch
+    assert ram_room(budget=8 * 2**30, held=0, free=64 * mib) == 32 * mib
+    assert ram_room(budget=8 * 2**30, held=20 * mib, free=44 * mib) == 22 * mib  # held bytes are not free
+    assert ram_room(budget=30 * mib, held=20 * mib, free=2**40) == 10 * mib  # the budget still bounds
+
+
+_STORE_40_ROWS = """
+import sys, torch
+from pathlib import Path
+from lightning_pipetx.autocache import AutoCache
+from lightning_pipetx.strategy.p2p import Activation
+ram = Path(sys.argv[1])
+cache = AutoCache(ram, ram.parent / "spill", 40, ram_budget=2**30, device_budget=0)
+cache.store(torch.arange(40), 1, Activation.of_hidden(torch.ones(40, 2**14), 0))  # 2.5 MiB
+print("host", cache.tier_bytes("host"), "disk", cache.tier_bytes("disk"))
+"""
+
+
+def test_a_depth_spills_to_disk_before_it_fills_a_small_ram_mount(tmp_path):
+    """A real 4 MiB tmpfs (the RAM folder of a container), mounted in a mount namespace of the test's own."""
+    ram = tmp_path / "shm"
+    ram.mkdir()
+    mount = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size=4m tmpfs "{ram}" && exec "$@"', "sh"]
+    if shutil.which("unshare") is None or subprocess.run([*mount, "true"], capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs in a mount namespace of its own is not permitted here")
+    package = str(Path(lightning_pipetx.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([package, os.environ.get("PYTHONPATH", "")])}
+    command = [*mount, sys.executable, "-c", _STORE_40_ROWS, str(ram)]
+    run = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path)  # imports ``package``
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.split() == ["host", "0", "disk", str(40 * 2**16)]
 
 
 def _node_caches(tmp_path):
@@ -246,6 +299,39 @@ def test_the_feed_records_the_loaders_opens_each_cache_once_and_hands_out_keys(t
     assert feed.open
     feed.close(remove_files=True)
     assert not feed.open and feed.training_keys() == (None, None)
+
+
+def test_processes_with_cache_folders_of_their_own_divide_the_nodes_ram_budget(tmp_path):
+    row = 3 * 2 * 4
+    site = CacheSite(_run(tmp_path), 0, torch.device("cpu"), share_host=False, private_processes=2)
+    feed = CacheFeed(CacheControl("auto", str(tmp_path), ram_bytes=6 * row, device_bytes=0))
+    feed.training_loader(DataLoader(list(range(4)), batch_size=4), site)
+    feed.validation_loader(DataLoader(list(range(4)), batch_size=4), site)
+    training, validation = (_checked(cache, 4) for cache in (feed.control.cache, feed.control.eval_cache))
+    assert training.ram_budget == validation.ram_budget == 3 * row
+    training.store(torch.arange(4), 1, _states(1, 4))  # 4 rows: beyond this process's 3, on disk
+    assert training.tier_bytes("host") == 0 and training.tier_bytes("disk") == 4 * row
+    feed.close(remove_files=True)
+
+
+def test_a_validation_loader_rebuilt_over_another_dataset_frees_the_validation_cache_with_the_reason(tmp_path, caplog):
+    site = CacheSite(_run(tmp_path), 0, torch.device("cpu"), share_host=False)
+    feed = CacheFeed(CacheControl("auto", str(tmp_path), ram_bytes=2**20, device_bytes=0))
+    feed.training_loader(DataLoader(list(range(4)), batch_size=4), site)
+    val = feed.validation_loader(DataLoader(list(range(4)), batch_size=4), site)
+    feed.begin_validation([val], world_size=1)
+    cache = _checked(feed.control.eval_cache, 4)
+    cache.store(torch.arange(4), 1, _states(1, 4))
+    assert cache.tier_bytes("host") > 0 and list(cache.directory.glob("depth1*"))
+    rebuilt = feed.validation_loader(
+        DataLoader(list(range(10, 14)), batch_size=4), site
+    )  # reload_dataloaders_every_n_epochs
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        feed.begin_validation([rebuilt], world_size=1)
+    assert not cache.enabled and "rebuilt over another dataset object" in caplog.text
+    assert cache.tier_bytes("host") == 0 and not list(cache.directory.glob("depth1*"))  # memory and files freed
+    assert feed.control.cache.enabled  # training keeps its cache
+    feed.close(remove_files=True)
 
 
 def test_the_feed_leaves_alone_what_it_cannot_cache(tmp_path):

@@ -117,5 +117,6 @@ def test_ranks_that_shard_the_data_themselves_never_read_each_other_s_cached_sta
         report = json.loads((tmp_path / f"per_rank_subset_rank{rank}.json").read_text())
         cached, plain = report["cache=True"], report["cache=False"]
         assert max(cached["hit_rates"]) == 1.0  # the frozen prefix was served
+        assert cached["ram_budget"] == 8 * 2**30 // 2  # cache_ram_bytes is the node's: each rank holds to half
         for key, value in plain["weights"].items():
             torch.testing.assert_close(torch.tensor(cached["weights"][key]), torch.tensor(value), msg=key)

@@ -4,7 +4,7 @@ The output of blocks ``[0, F)`` for a sample depends only on the sample once tho
 are frozen (eval mode, no gradient), so it is computed once and read back afterwards.
 Entries are keyed by (sample index, depth ``F``). Each depth keeps its states in tiers
 (:mod:`.tiers`): the training device up to a budget, then a file every process of the node
-maps, in ``/dev/shm`` up to what the budget and the mount allow, else on disk. States are
+maps, in ``/dev/shm`` up to the budget and half the mount's free space, else on disk. States are
 stored in the dtype the block returned, so a hit is exact. When the depth grows from ``F1``
 to ``F2``, a sample cached at ``F1`` runs blocks ``[F1, F2)`` only, and older depths' files go.
 
@@ -35,6 +35,7 @@ from lightning_pipetx.autocache.tiers import (
     Tier,
     free_bytes,
     nbytes_of,
+    ram_room,
 )
 from lightning_pipetx.strategy.p2p import Activation
 
@@ -352,9 +353,8 @@ class AutoCache:
         reading either was measured slower than computing. OSError: the disk has no room either."""
         nbytes = nbytes_of(self.num_samples, shape, dtype)
         # Another rank of the node may have placed this depth in RAM already: share its file.
-        used = self._budget_used("host")
-        room = min(self.ram_budget, used + free_bytes(self.directory))
-        fits = (self.directory / f"depth{depth}").exists() or used + nbytes <= room
+        room = ram_room(self.ram_budget, self._budget_used("host"), free_bytes(self.directory))
+        fits = (self.directory / f"depth{depth}").exists() or nbytes <= room
         if fits and "host" not in self.dropped:
             try:
                 return FileTier("host", self.directory, depth, self.num_samples, shape, dtype, tuple_len)

@@ -32,7 +32,8 @@ class CacheControl:
     of the validation loader run during fit (every epoch, through the same frozen prefix).
     The validation cache serves only while the training cache is on: a prefix whose output
     cannot be cached in training (it still reads a trainable weight) is not cached for
-    validation either. The two share one device budget and one RAM budget."""
+    validation either. The two share one device budget and one RAM budget; where the node's
+    processes keep caches in folders of their own, each holds to its share of the RAM budget."""
 
     def __init__(self, mode: bool | str, cache_dir: str | None, ram_bytes: int, device_bytes: int | str) -> None:
         if mode not in ("auto", True, False):
@@ -51,28 +52,49 @@ class CacheControl:
         self._validation_refusal: str | None = None
 
     def open(
-        self, run_token: str, node_rank: int, num_samples: int, device: torch.device, share_host: bool
+        self,
+        run_token: str,
+        node_rank: int,
+        num_samples: int,
+        device: torch.device,
+        share_host: bool,
+        private_processes: int = 1,
     ) -> AutoCache:
-        """The run's training cache on this rank (created once)."""
+        """The run's training cache on this rank (created once); ``private_processes``: the processes
+        of the node that keep caches in folders of their own, dividing the RAM budget."""
         if self.cache is None:
-            self.cache = self._new(run_token, node_rank, num_samples, device, share_host, training=True)
+            self.cache = self._new(run_token, node_rank, num_samples, device, share_host, private_processes, True)
         return self.cache
 
     def open_eval(
-        self, run_token: str, node_rank: int, num_samples: int, device: torch.device, share_host: bool
+        self,
+        run_token: str,
+        node_rank: int,
+        num_samples: int,
+        device: torch.device,
+        share_host: bool,
+        private_processes: int = 1,
     ) -> AutoCache:
-        """The run's validation cache on this rank (created once)."""
+        """The run's validation cache on this rank (created once), as :meth:`open`."""
         if self.eval_cache is None:
             token = f"{run_token}-val"
-            self.eval_cache = self._new(token, node_rank, num_samples, device, share_host, training=False)
+            self.eval_cache = self._new(token, node_rank, num_samples, device, share_host, private_processes, False)
         return self.eval_cache
 
     def _new(
-        self, token: str, node_rank: int, num_samples: int, device: torch.device, share_host: bool, training: bool
+        self,
+        token: str,
+        node_rank: int,
+        num_samples: int,
+        device: torch.device,
+        share_host: bool,
+        private_processes: int,
+        training: bool,
     ) -> AutoCache:
         ram, spill = cache_directories(token, node_rank, self.cache_dir)
         label = "AutoCache" if training else "AutoCache's validation cache"
-        cache = AutoCache(ram, spill, num_samples, self.ram_bytes, device, self.device_bytes, share_host, label)
+        ram_bytes = self.ram_bytes // private_processes
+        cache = AutoCache(ram, spill, num_samples, ram_bytes, device, self.device_bytes, share_host, label)
         cache.force = self.mode is True and training  # validation is never served a state its input outdated
         cache.strict = not training
         for other in self._caches():  # the budgets hold for both caches together

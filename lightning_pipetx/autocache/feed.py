@@ -27,16 +27,23 @@ SEVERAL_LOADERS = (
     "(max_size_cycle) would name the wrong samples"
 )
 
+RELOADED_VALIDATION = (
+    "the validation loader was rebuilt over another dataset object, whose indices may name other samples "
+    "than the cached states; return the same dataset object from val_dataloader() to keep the cache"
+)
+
 
 @dataclass(frozen=True)
 class CacheSite:
-    """Where this rank's caches live: the run, the node, the training device, and whether
-    several first stages of the node read the host tier."""
+    """Where this rank's caches live: the run, the node, the training device, whether several
+    first stages of the node read the host tier, and how many processes of the node keep caches
+    in folders of their own (each then holds to its share of the node's RAM budget)."""
 
     run_token: str
     node_rank: int
     device: torch.device
     share_host: bool
+    private_processes: int = 1
 
 
 def _has_len(dataset: Any) -> bool:
@@ -95,7 +102,9 @@ class CacheFeed:
             return loader, None
         self._training_dataset = loader.dataset
         size = len(loader.dataset)
-        return loader, self.control.open(site.run_token, site.node_rank, size, site.device, site.share_host)
+        return loader, self.control.open(
+            site.run_token, site.node_rank, size, site.device, site.share_host, site.private_processes
+        )
 
     def validation_loader(self, loader: DataLoader, site: CacheSite) -> DataLoader:
         """``loader``, recording its batches if it is the recorded one (the first, or a reload of it)."""
@@ -104,7 +113,9 @@ class CacheFeed:
         loader = self._validation.record(loader)
         if self._validation.dataset is loader.dataset:
             size = len(loader.dataset)
-            self.control.open_eval(site.run_token, site.node_rank, size, site.device, site.share_host)
+            self.control.open_eval(
+                site.run_token, site.node_rank, size, site.device, site.share_host, site.private_processes
+            )
         return loader
 
     def _reload_refusal(self, dataset: Any, cached_samples: int) -> str | None:
@@ -139,10 +150,12 @@ class CacheFeed:
         return torch.tensor(dropped, dtype=torch.long), lambda: collate([dataset[i] for i in dropped])
 
     def begin_validation(self, loaders: Any, world_size: int) -> None:
-        """Before a validation run in fit (a collective where the validation cache exists)."""
+        """Before a validation run in fit (a collective where the validation cache exists). A
+        recorded loader rebuilt over another dataset switches the validation cache off: it is freed."""
         if self.control.eval_cache is not None:
+            if not self._validation.locate(loaders):
+                self.control.refuse_validation(RELOADED_VALIDATION)
             self.control.begin_validation(world_size)
-            self._validation.locate(loaders)
 
     def validation_keys(self, step_args: tuple) -> tuple[AutoCache | None, torch.Tensor | None, torch.Tensor | None]:
         """For a validation step: the cache serving it (None: not served), and the dataset indices

@@ -104,7 +104,8 @@ class ValidationKeys:
     One loader is recorded: the first the strategy processes, and later loaders over the same
     dataset object (a reload); the others are left as they are. A validation step belongs to
     the recorded loader when its ``dataloader_idx`` is that loader's position among the loaders
-    of the run (found by :meth:`locate` when validation starts).
+    of the run (found by :meth:`locate` when validation starts). A reload over another dataset
+    object replaces the recorded loader with one whose indices are not recorded.
     """
 
     def __init__(self) -> None:
@@ -120,8 +121,9 @@ class ValidationKeys:
         self.dataset = loader.dataset
         return loader
 
-    def locate(self, loaders: Any) -> None:
-        """Find the recorded loader among the run's validation ``loaders`` (``trainer.val_dataloaders``)."""
+    def locate(self, loaders: Any) -> bool:
+        """Find the recorded loader among the run's validation ``loaders`` (``trainer.val_dataloaders``);
+        False where one was recorded and is gone (rebuilt over another dataset object)."""
         flat = CombinedLoader(loaders).flattened if loaders is not None else []
         self._position = next(
             (
@@ -131,6 +133,7 @@ class ValidationKeys:
             ),
             None,
         )
+        return self._recorder is None or self._position is not None
 
     def pop(self, step_args: tuple) -> tuple[list[int] | None, list[int] | None]:
         """The indices of this validation step's batch and of the next one (None: not recorded)."""

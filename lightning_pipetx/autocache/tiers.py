@@ -57,6 +57,23 @@ def free_bytes(folder: Path) -> int:
     return stats.f_bavail * stats.f_frsize
 
 
+RAM_FREE_SHARE = 1 / 2  # of the RAM mount's free space a new depth may take: the rest stays for others
+
+
+def ram_room(budget: int, held: int, free: int) -> int:
+    """Bytes a new depth may take in RAM: what ``budget`` leaves beside the ``held`` bytes, and no more
+    than half the mount's ``free`` bytes (DataLoader workers pass their batches through it too)."""
+    return min(budget - held, int(free * RAM_FREE_SHARE))
+
+
+def first_occurrences(indices: torch.Tensor) -> torch.Tensor:
+    """The positions in ``indices`` (on the host) where each value first occurs, in order."""
+    values, inverse = torch.unique(indices, return_inverse=True)
+    positions = torch.arange(len(indices))
+    first = torch.full((len(values),), len(indices), dtype=torch.long)
+    return first.scatter_reduce_(0, inverse, positions, "amin").sort().values
+
+
 class SharedFileMismatchError(RuntimeError):
     """Two ranks of a node would keep different states in one shared depth file."""
 
@@ -107,14 +124,15 @@ class DeviceTier(Tier):
         return self.data.index_select(0, slots)
 
     def write(self, indices: torch.Tensor, states: torch.Tensor) -> None:
-        slots = self.slot[indices]
+        first = first_occurrences(indices)  # a sample drawn twice into the batch takes one slot
+        slots = self.slot[indices[first]]
         new = (slots < 0).nonzero().flatten()[: self.data.shape[0] - self.used]
         slots[new] = torch.arange(self.used, self.used + len(new))
-        self.slot[indices[new]] = slots[new]
+        self.slot[indices[first[new]]] = slots[new]
         self.used += len(new)
         kept = (slots >= 0).nonzero().flatten()
         if len(kept):
-            rows = states.index_select(0, kept.to(states.device, non_blocking=True))
+            rows = states.index_select(0, first[kept].to(states.device, non_blocking=True))
             self.data.index_copy_(0, slots[kept].to(self.data.device, non_blocking=True), rows.to(self.data))
 
     def close(self) -> None:

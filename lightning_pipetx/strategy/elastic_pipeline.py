@@ -406,7 +406,8 @@ class ElasticPipelineStrategy(DDPStrategy):
     def _cache_site(self, layout: Layout, loader: DataLoader) -> CacheSite:
         if not shards_one_index_space(loader):  # the ranks' datasets may differ: no rank reads another's states
             self._private_sites = True
-            return CacheSite(f"{self._run_token}-rank{self.global_rank}", self.node_rank, self.root_device, False)
+            token = f"{self._run_token}-rank{self.global_rank}"
+            return CacheSite(token, self.node_rank, self.root_device, False, private_processes=self.num_processes)
         first_stages = sum(layout.coords(r)[1] == 0 for r in self._node_ranks())  # of this node
         return CacheSite(self._run_token, self.node_rank, self.root_device, share_host=first_stages > 1)
 

@@ -36,7 +36,8 @@ class InOrder(BatchSampler):
 def per_rank_subsets(out_dir: str) -> None:
     """2 replicas that shard the data themselves (``use_distributed_sampler=False``): index ``i``
     is another sample on each rank. Trained with and without AutoCache; rank N writes
-    OUT_DIR/per_rank_subset_rank<N>.json with both runs' weights and the cached run's hit rates."""
+    OUT_DIR/per_rank_subset_rank<N>.json with both runs' weights, the cached run's hit rates and
+    the RAM budget its training cache held to."""
     report = {}
     for cache in (False, True):
         rank = int(os.environ["RANK"])
@@ -55,6 +56,7 @@ def per_rank_subsets(out_dir: str) -> None:
         report[f"cache={cache}"] = {
             "weights": {k: v.tolist() for k, v in module.state_dict().items()},
             "hit_rates": hits.rates,
+            "ram_budget": hits.ram_budget,
         }
     with open(os.path.join(out_dir, f"per_rank_subset_rank{trainer.global_rank}.json"), "w") as handle:
         json.dump(report, handle)
@@ -63,9 +65,12 @@ def per_rank_subsets(out_dir: str) -> None:
 class CacheHits(Callback):
     def __init__(self):
         self.rates = []
+        self.ram_budget = None
 
     def on_train_epoch_end(self, trainer, pl_module):
         self.rates.append(float(trainer.callback_metrics.get("pipetx/cache_hit_rate", -1.0)))
+        cache = trainer.strategy._autocache.cache
+        self.ram_budget = cache.ram_budget if cache is not None else None
 
 
 def main():
