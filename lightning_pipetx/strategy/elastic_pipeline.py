@@ -88,8 +88,8 @@ class ElasticPipelineStrategy(DDPStrategy):
             becomes the cost model at the first freeze; 0 keeps parameter counts.
         cache_dir: AutoCache's disk folder, beyond ``cache_ram_bytes`` of RAM (``$TMPDIR``
             by default).
-        cache_ram_bytes: host RAM (``/dev/shm``) AutoCache may use per node; never more than
-            the mount has free.
+        cache_ram_bytes: host RAM (``/dev/shm``) AutoCache may use per node; a depth goes
+            there only where it takes at most half of the mount's free space (else to disk).
         cache_device_bytes: memory of the training device AutoCache may use per process before
             host RAM. ``"auto"``: a third of the GPU's free memory; 0 on CPU (host RAM is then
             the fastest tier, shared by the node's processes).
