@@ -38,6 +38,7 @@ from lightning_pipetx.strategy.autopipe import (
     block_costs,
     choose_initial_plan,
     choose_plan,
+    device_fit,
     explain_choice,
     frozen_in_place,
     kept_reason,
@@ -124,7 +125,8 @@ def dry_run(
     costs, num_blocks = block_costs(split), split.num_blocks
     budget = (memory_gb if memory_gb is not None else default_memory_gb()) * 2**30
     max_length = min(devices // num_nodes, num_blocks)
-    chosen, candidates = choose_initial_plan(costs, ModelMemory.of(split), devices, max_length, budget, microbatches)
+    memory = ModelMemory.of(split)
+    chosen, candidates = choose_initial_plan(costs, memory, devices, max_length, budget, microbatches)
     choice = {
         "auto": pipeline_length is None,
         "memory_budget_gb": budget / 2**30,
@@ -147,13 +149,16 @@ def dry_run(
         batch0 = (batch_size, devices // pipeline_length)
         accept = lambda layout: global_batch_fits(batch0, layout.replicas)  # noqa: E731
     start, frozen_time = make_plan(costs, 0, devices, pipeline_length, microbatches), 0.0 if cached else FROZEN_TIME
+    limit = max(budget * (1 - ACTIVATION_SHARE), max(memory.stage_bytes(start.bounds)))  # as AutoPipe.start
     steps, previous = [], start
     for decision, frozen in freeze_steps(num_blocks, alpha, min_active_blocks):
-        plan = choose_plan(costs, frozen, devices, pipeline_length, microbatches, accept, frozen_time)
+        args = (costs, frozen, devices, pipeline_length, microbatches, accept, frozen_time)
+        plan = choose_plan(*args, fits=device_fit(memory, frozen, limit))
         row = {"decision": decision, "frozen": frozen}
         if plan is None:  # no layout is left: the blocks freeze in place, as the strategy does
             plan = frozen_in_place(previous, costs, frozen, frozen_time)
-            row.update(change="kept", reason=kept_reason(num_blocks, frozen, pipeline_length))
+            by_memory = choose_plan(*args) is not None
+            row.update(change="kept", reason=kept_reason(num_blocks, frozen, pipeline_length, by_memory))
         else:
             row["change"] = change(previous, plan)
         steps.append({**row, **plan_dict(plan, start)})

@@ -18,8 +18,10 @@ from lightning_pipetx.strategy.autopipe import (
     FROZEN_TIME,
     AutoPipe,
     ModelMemory,
+    block_costs,
     choose_initial_plan,
     choose_plan,
+    device_fit,
     frozen_in_place,
     frozen_partition,
     make_plan,
@@ -166,7 +168,7 @@ def test_memory_is_counted_in_parameters_when_costs_are_profiled_times():
 
 def test_the_planner_counts_memory_in_parameters_after_the_profile():
     planner = AutoPipe(4, num_microbatches="auto")
-    planner.start(find_blocks(build_model("sequential")), 4, 4, budget=lambda: 0.0, profile=True)
+    planner.start(find_blocks(build_model("sequential")), 4, 4, budget=lambda: 1e12, profile=True)
     size = planner.costs[0]  # 4 blocks of 1104 parameters
     planner.take_profile(lambda: [1e-3, 1e-3, 2e-3, 1e-3])
     assert planner.costs == [1e-3, 1e-3, 2e-3, 1e-3] and planner.sizes == [size] * 4
@@ -233,9 +235,10 @@ def test_the_planner_starts_within_its_budget_and_takes_the_profile_once():
     assert planner.take_profile(lambda: None) is None and planner.costs == counts  # nothing timed: counts stay
     assert planner.take_profile(lambda: [1.0, 2.0, 3.0, 4.0]) is None  # one profile per run, at the first freeze
     assert planner.costs == counts
-    planner = AutoPipe(2, num_microbatches=3)
-    plan, why = planner.start(split, 2, 2, budget=lambda: pytest.fail("a fixed length needs no budget"), profile=True)
+    planner, asked = AutoPipe(2, num_microbatches=3), []
+    plan, why = planner.start(split, 2, 2, budget=lambda: asked.append(1) or 100_000.0, profile=True)
     assert why is None and plan.layout == Layout(2, 1) and plan.num_microbatches == 3
+    assert asked == [1]  # a fixed length still bounds what its transitions may hold
     planner.restore_profile(None)  # a checkpoint saved before the first freeze: the profile is still to take
     planner.restore_profile([1.0, 2.0])  # another model's: ignored
     assert not planner.profiled
@@ -270,3 +273,22 @@ def test_the_strategy_chooses_its_initial_layout_by_memory(tmp_path):
     out = tmp_path / "layouts.json"
     run_workers("auto_layout_worker.py", 2, str(out), "default", "100000")
     assert json.loads(out.read_text()) == {"default": "1x2", "100000": "2x1"}
+
+
+def test_a_transition_needs_a_layout_that_fits_the_device():
+    # 4 blocks of 1104 parameters on 4 ranks, 4x1 at the start; with 3 frozen the paper's rule
+    # (and the throughput model) would pack them onto 1x4 or 2x2, whose stage 0 holds 3 frozen blocks.
+    split = find_blocks(build_model("sequential"))
+    memory = ModelMemory.of(split)
+    start_peak = max(memory.stage_bytes(make_plan(block_costs(split), 0, 4, 4, None).bounds))
+    roomy, tight = AutoPipe(4, num_microbatches="auto"), AutoPipe(4, num_microbatches="auto")
+    roomy.start(split, 4, 4, budget=lambda: 1e12, profile=False)
+    tight.start(split, 4, 4, budget=lambda: 0.0, profile=False)  # no more than the start needed
+    assert tight.memory_limit == start_peak
+    assert roomy.plan(3, 4).layout.pipeline_length < 4
+    assert tight.plan(3, 4) is None and tight.kept_by_memory
+    assert "fits the device's memory" in tight.kept_reason(3)
+    one_frozen = tight.plan(1, 4)  # block 0 frozen on stage 0 beside nothing: the start's stages fit
+    assert one_frozen is not None and one_frozen.layout == Layout(4, 1)
+    fits = device_fit(memory, 3, start_peak)
+    assert all(fits(p) for p in [one_frozen]) and not fits(roomy.plan(3, 4))

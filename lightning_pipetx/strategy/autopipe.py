@@ -12,9 +12,11 @@ global batch splits evenly over the new replicas). The paper's rule takes the sm
 ``K`` whose largest stage costs no more than the largest stage at the start (the longest
 buildable pipeline when none does); the throughput model
 ``replicas * M / ((M + K - 1) * largest_stage_time)`` replaces that choice by a faster one
-whose largest stage needs no more memory than the largest stage at the start. When no ``K``
-fits around the frozen prefix and splits the global batch, the layout stays and the blocks
-freeze in place (the prefix then spans the first stages).
+whose largest stage needs no more memory than the largest stage at the start. Either way a
+layout must fit the device: its largest stage's training state within the share of the memory
+budget that ``pipeline_length="auto"`` allows (or within what the start needed, if more). When
+no ``K`` fits around the frozen prefix, splits the global batch and fits the device, the layout
+stays and the blocks freeze in place (the prefix then spans the first stages).
 
 The *initial* pipeline length (``pipeline_length="auto"``) is chosen in bytes instead: among
 the divisors of the world size, the layout predicted fastest whose largest stage's training
@@ -130,8 +132,14 @@ def buildable_lengths(
     ]
 
 
-def kept_reason(num_blocks: int, frozen: int, initial_length: int) -> str:
-    """Why :func:`choose_plan` found no layout for ``frozen`` blocks."""
+def kept_reason(num_blocks: int, frozen: int, initial_length: int, by_memory: bool = False) -> str:
+    """Why :func:`choose_plan` found no layout for ``frozen`` blocks (``by_memory``: none that
+    could be built fits the device's memory)."""
+    if by_memory:
+        return (
+            f"with {frozen} of {num_blocks} blocks frozen no layout that can be built fits the device's memory "
+            "(frozen blocks keep their weights and optimizer moments): the layout stays and the blocks freeze in place"
+        )
     return (
         f"with {frozen} of {num_blocks} blocks frozen at most {max_stages(num_blocks, frozen)} stages fit around "
         f"the frozen prefix, and no shorter pipeline length dividing {initial_length} splits the global batch over "
@@ -148,23 +156,26 @@ def choose_plan(
     accept: Callable[[Layout], bool] | None = None,
     frozen_time: float = FROZEN_TIME,
     sizes: Sequence[float] | None = None,
+    fits: Callable[[Plan], bool] | None = None,
 ) -> Plan | None:
     """The plan for ``frozen`` blocks, starting from ``initial_length`` stages with none frozen.
 
     ``accept`` can rule layouts out (for example those the global batch does not split over);
     ``frozen_time`` is a frozen block's cost relative to a trainable one (0 when cached);
     ``sizes`` are the blocks' parameter counts when ``costs`` are measured times: memory is
-    counted in them, against the largest stage of the start, which split them.
+    counted in them, against the largest stage of the start, which split them. ``fits``: whether
+    a plan fits the device (:func:`device_fit`).
     None when no layout is left (:func:`kept_reason`): the caller keeps its layout.
     """
     lengths = buildable_lengths(len(costs), frozen, world_size, initial_length, accept)
-    if not lengths:
-        return None
     sizes = costs if sizes is None else sizes
+    plans = [make_plan(costs, frozen, world_size, k, num_microbatches, frozen_time, sizes) for k in lengths]
+    plans = [p for p in plans if fits is None or fits(p)]
+    if not plans:
+        return None
     start = make_plan(costs, 0, world_size, initial_length, num_microbatches)
     time_bound = max(start.stage_times) * (1 + 1e-9)
     memory_bound = max(stage_costs(sizes, partition(sizes, initial_length))) * (1 + 1e-9)
-    plans = [make_plan(costs, frozen, world_size, k, num_microbatches, frozen_time, sizes) for k in lengths]
     papers = next((p for p in plans if max(p.stage_times) <= time_bound), plans[-1])
     fitting = [p for p in plans if max(p.stage_memory) <= memory_bound]
     faster = max(fitting, key=lambda p: (p.predicted_throughput, -p.layout.pipeline_length), default=None)
@@ -234,11 +245,11 @@ class ModelMemory:
             _state_bytes([p for p in pre_params if id(p) in post]),
         )
 
-    def stage_bytes(self, bounds: Sequence[tuple[int, int]]) -> list[float]:
-        """Training-state bytes of each stage of a partition."""
+    def stage_bytes(self, bounds: Sequence[tuple[int, int]], frozen: int = 0) -> list[float]:
+        """Training-state bytes of each stage of a partition whose blocks ``[0, frozen)`` are frozen."""
         last = len(bounds) - 1
         return [
-            sum(self.blocks[start:end])
+            sum(self.blocks[i] * (FROZEN_MEMORY if i < frozen else 1.0) for i in range(start, end))
             + self.shared_weights
             + (self.pre_training if stage == 0 else 0.0)
             + (self.post_training if stage == last else 0.0)
@@ -286,6 +297,11 @@ def choose_initial_plan(
     return best.plan, candidates
 
 
+def device_fit(memory: ModelMemory, frozen: int, limit_bytes: float) -> Callable[[Plan], bool]:
+    """Whether a plan's largest stage, with ``frozen`` blocks frozen, keeps its training state within ``limit_bytes``."""
+    return lambda plan: max(memory.stage_bytes(plan.bounds, frozen)) <= limit_bytes * (1 + 1e-9)
+
+
 def device_memory(device: torch.device, processes_per_node: int) -> float:
     """A device's memory in bytes: the GPU's, or the host's divided among the node's processes."""
     if device.type == "cuda":
@@ -329,6 +345,9 @@ class AutoPipe:
         self.sizes: list[float] = []  # parameters per block: what memory is counted in
         self.profiled = False  # the costs are measured forward times
         self.initial_length = 1
+        self.memory: ModelMemory | None = None
+        self.memory_limit = float("inf")  # bytes of training state a stage may hold
+        self.kept_by_memory = False  # the last plan was None because no layout fits the device
         self._awaiting_profile = False
 
     def start(
@@ -345,11 +364,11 @@ class AutoPipe:
         self.costs = block_costs(split)
         self.sizes = list(self.costs)
         self._awaiting_profile = profile
+        self.memory, bytes_per_device = ModelMemory.of(split), budget()
         why = None
         if self.pipeline_length == "auto":
-            bytes_per_device = budget()
             plan, candidates = choose_initial_plan(
-                self.costs, ModelMemory.of(split), world_size, max_length, bytes_per_device, self.microbatches
+                self.costs, self.memory, world_size, max_length, bytes_per_device, self.microbatches
             )
             self.initial_length = plan.layout.pipeline_length
             why = explain_choice(plan, candidates, bytes_per_device)
@@ -362,7 +381,9 @@ class AutoPipe:
                     f"{split.num_blocks}."
                 )
             self.initial_length = self.pipeline_length
-        return self.plan(0, world_size), why
+        start = self.plan(0, world_size)
+        self.memory_limit = max(bytes_per_device * (1 - ACTIVATION_SHARE), max(self.memory.stage_bytes(start.bounds)))
+        return start, why
 
     def take_profile(self, seconds: Callable[[], list[float] | None]) -> list[float] | None:
         """At the first freeze (on every rank: ``seconds`` may be a collective): the profiled
@@ -391,10 +412,12 @@ class AutoPipe:
         """The plan for ``frozen`` leading blocks, or None to keep the layout (see :func:`choose_plan`)."""
         if frozen == 0:
             return make_plan(self.costs, 0, world_size, self.initial_length, self.microbatches, sizes=self.sizes)
-        return choose_plan(
-            self.costs, frozen, world_size, self.initial_length, self.microbatches, accept, frozen_time, self.sizes
-        )
+        fits = None if self.memory is None else device_fit(self.memory, frozen, self.memory_limit)
+        args = (self.costs, frozen, world_size, self.initial_length, self.microbatches, accept, frozen_time)
+        plan = choose_plan(*args, self.sizes, fits)
+        self.kept_by_memory = plan is None and choose_plan(*args, self.sizes) is not None
+        return plan
 
     def kept_reason(self, frozen: int) -> str:
         """Why :meth:`plan` gave None for ``frozen`` blocks."""
-        return kept_reason(len(self.costs), frozen, self.initial_length)
+        return kept_reason(len(self.costs), frozen, self.initial_length, self.kept_by_memory)
