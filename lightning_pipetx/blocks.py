@@ -48,7 +48,7 @@ class BlockSplit:
             which no block's input is computed (a head registered before the backbone); they
             do not count as ``pre``.
         post_modules: ``(name, module)`` pairs of ``pre`` without weights that the forward
-            calls only inside or after the blocks (a head's dropout); they do not count as ``pre``.
+            calls only after the last block (a head's dropout); they do not count as ``pre``.
     """
 
     root: nn.Module
@@ -94,8 +94,8 @@ class BlockSplit:
         return replace(self, post_by_use=tuple((name, params[name]) for name in names))
 
     def with_post_modules(self, names: list[str]) -> BlockSplit:
-        """This split with the modules ``names`` of ``pre`` (without weights, called only inside or
-        after the blocks) not counted as ``pre``."""
+        """This split with the modules ``names`` of ``pre`` (without weights, called only after the
+        last block) not counted as ``pre``."""
         modules = dict(self.root.named_modules())
         return replace(self, post_modules=tuple((name, modules[name]) for name in names))
 
@@ -110,7 +110,7 @@ class BlockSplit:
 
     def runs_before_blocks(self, module: nn.Module) -> bool:
         """Whether ``module`` (of ``pre``) has a weight not found to feed no block, or has no weights
-        and was not found to run only inside or after the blocks."""
+        and was not found to run only after the last block."""
         params, after = list(module.parameters()), {id(p) for _, p in self.post_by_use}
         if not params:
             return all(module is not late for _, late in self.post_modules)

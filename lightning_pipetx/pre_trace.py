@@ -16,9 +16,9 @@ first module) count as after the blocks: a weight is never moved on doubtful evi
 keeps training.
 
 Modules of ``pre`` without weights (a dropout) are placed by their calls: one the step called
-only inside or after the blocks (the classifier's dropout XLM-R's token classifier registers
-before ``self.roberta``) is not part of the prefix, and keeps its training mode when the
-prefix freezes (:meth:`PreTrace.post_modules`).
+only after the last block (the classifier's dropout XLM-R's token classifier registers before
+``self.roberta``) is not part of the prefix, and keeps its training mode when the prefix
+freezes (:meth:`PreTrace.post_modules`). One called between or inside blocks stays in it.
 
 The other way round, a trainable weight registered before the block list that no block's input
 is computed from (a head assigned before the backbone, as XLM-R's classifier is, or a weight of
@@ -93,7 +93,7 @@ class PreTrace:
         # per pre weight: whether a block's input was computed from it, and whether the step read it
         self.feeds_blocks = torch.zeros(len(self.pre_names_registered), dtype=torch.bool)
         self.pre_reads = torch.zeros(len(self.pre_names_registered), dtype=torch.bool)
-        # pre modules without weights: whether the step called each inside or after the blocks, and elsewhere
+        # pre modules without weights: whether the step called each after the blocks, and elsewhere
         self.module_names = [name for name, module in split.pre if next(module.parameters(), None) is None]
         self.module_calls = torch.zeros(len(self.module_names), 2, dtype=torch.bool)
         self._walked: set[Any] = set()
@@ -120,7 +120,7 @@ class PreTrace:
 
     def _record_call(self, index: int) -> Any:
         def hook(*_: Any) -> None:
-            self.module_calls[index, 0 if self._phase in (_INSIDE, _AFTER) else 1] = True
+            self.module_calls[index, 0 if self._phase == _AFTER else 1] = True
 
         return hook
 
@@ -180,7 +180,7 @@ class PreTrace:
         ]
 
     def post_modules(self, calls: torch.Tensor | None = None) -> list[str]:
-        """Modules of ``pre`` without weights that the step called, and only inside or after the
-        blocks, by ``calls``: :attr:`module_calls` (this trace's, or every rank's by a maximum)."""
+        """Modules of ``pre`` without weights that the step called, and only after the last block,
+        by ``calls``: :attr:`module_calls` (this trace's, or every rank's by a maximum)."""
         calls = self.module_calls if calls is None else calls > 0
         return [name for name, (late, elsewhere) in zip(self.module_names, calls.tolist()) if late and not elsewhere]

@@ -80,32 +80,57 @@ def test_non_reentrant_checkpointing_keeps_every_active_block_training():
     assert all(not torch.equal(b, block.fc1.weight) for b, block in zip(before, module.model.blocks))
 
 
-class BackwardReaches(pl.Callback):
-    """Whether the backward of the last epoch's steps reached block 0's output."""
-
-    def __init__(self):
-        self.reached = []
-
-    def on_train_start(self, trainer, module):
-        def watch(block, args, output):
-            hidden = output[0] if isinstance(output, tuple) else output
-            if trainer.training and trainer.current_epoch == trainer.max_epochs - 1 and hidden.requires_grad:
-                hidden.register_hook(lambda grad: self.reached.append(True))
-
-        module.model.bert.encoder.layer[0].register_forward_hook(watch)
-
-
-def test_hugging_face_gradient_checkpointing_stops_the_backward_at_the_first_active_block():
-    # gradient_checkpointing_enable makes the embeddings' output require a gradient (for reentrant
-    # segments): without the boundary, every step's backward ran through the frozen blocks.
+def test_hugging_face_gradient_checkpointing_trains_as_without_it_as_blocks_freeze():
+    # gradient_checkpointing_enable makes the embeddings' output require a gradient, so the frozen
+    # prefix stays in the autograd graph: the boundary's hooks change no weight's update.
     weights = {}
     for checkpointed in (False, True):
         module = tm.TinyBertClassifier(seed=0, dropout=0.0)
         if checkpointed:
             module.model.gradient_checkpointing_enable()
-        reaches, freeze = BackwardReaches(), FreezeCallback(**FREEZE_ONE_PER_EPOCH)
-        tm.make_trainer([freeze, reaches], max_epochs=3).fit(module, tm.task_loader("bert", size=16, batch_size=4))
-        assert freeze.frozen_blocks == 3 and reaches.reached == []
+        freeze = FreezeCallback(**FREEZE_ONE_PER_EPOCH)
+        tm.make_trainer([freeze], max_epochs=3).fit(module, tm.task_loader("bert", size=16, batch_size=4))
+        assert freeze.frozen_blocks == 3
         weights[checkpointed] = {name: p.detach().clone() for name, p in module.named_parameters()}
-    for name, value in weights[False].items():  # the cut changes no weight's gradient
+    for name, value in weights[False].items():
         torch.testing.assert_close(weights[True][name], value, rtol=0, atol=1e-6, msg=name)
+
+
+class FailsInEpoch(tm.TinySequentialRegressor):
+    def training_step(self, batch, batch_idx):
+        if self.current_epoch == 2:
+            raise RuntimeError("the step failed")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_fit_that_fails_leaves_the_model_without_the_boundarys_hooks():
+    module = FailsInEpoch(seed=0)
+    with pytest.raises(RuntimeError, match="the step failed"):
+        tm.make_trainer([FreezeCallback(**FREEZE_ONE_PER_EPOCH)], max_epochs=3).fit(
+            module, tm.task_loader("sequential", size=16, batch_size=4)
+        )
+    modes = []
+    module.model.blocks[0].register_forward_hook(lambda block, args, output: modes.append(block.training))
+    module.train()
+    module.model.blocks[0](torch.zeros(1, 16))
+    assert modes == [True]
+
+
+class PseudoLabels(tm.TinySequentialRegressor):
+    """Labels from the model itself under no_grad; a step without a confident batch is skipped (None)."""
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        with torch.no_grad():
+            targets = self(x)
+        if batch_idx % 2:
+            return None
+        return torch.nn.functional.mse_loss(self(x), targets + 0.1)
+
+
+def test_a_step_run_under_no_grad_and_skipped_is_not_taken_for_reentrant_checkpointing():
+    freeze = FreezeCallback(**FREEZE_ONE_PER_EPOCH)
+    tm.make_trainer([freeze], max_epochs=3).fit(
+        PseudoLabels(seed=0), tm.task_loader("sequential", size=16, batch_size=4)
+    )
+    assert freeze.frozen_blocks == 3

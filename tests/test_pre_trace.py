@@ -309,3 +309,29 @@ def test_xlm_roberta_token_classifiers_dropout_keeps_training_as_the_encoder_fre
     tm.make_trainer([freeze, modes], max_epochs=2).fit(TokenTagger(), tm.task_loader("bert", size=16, batch_size=4))
     assert freeze.frozen_blocks > 0 and freeze.state_dict()["post_modules"] == ["model.dropout"]
     assert modes.modes == [[True, True], [True, False]]  # XLM-R registers the classifier's dropout before roberta
+
+
+class DropoutBetweenBlocks(pl.LightningModule):
+    """A dropout registered before the block list and applied after every block, the frozen ones too."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.1)
+        self.model = tm.tiny_sequential(seed=0, dropout=0.0)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.model.embed(x)
+        for block in self.model.blocks:
+            h = self.drop(block(h))
+        return torch.nn.functional.mse_loss(self.model.head(h), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_a_dropout_called_between_the_blocks_freezes_with_the_prefix():
+    module, freeze = DropoutBetweenBlocks(), FreezeCallback(alpha=1 / 3, signal="schedule")
+    modes = TrainingModes("drop")
+    tm.make_trainer([freeze, modes], max_epochs=2).fit(module, tm.task_loader("sequential", size=16, batch_size=4))
+    assert freeze.state_dict()["post_modules"] == [] and modes.modes == [[True], [False]]

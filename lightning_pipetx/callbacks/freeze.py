@@ -265,6 +265,7 @@ class FreezeCallback(Callback):
             self._boundary.remove()  # the model leaves fit without hooks of this callback's
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._boundary.remove()  # Lightning skips the callbacks' teardown after an error
         if self._trace is not None:
             self._trace.stop()
             self._trace = None
@@ -280,7 +281,7 @@ class FreezeCallback(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        self._boundary.check(self.split, self._runs_block(trainer, self.frozen_blocks))
+        self._boundary.check(self.split, optimizer, self._runs_block(trainer, self.frozen_blocks))
         if not self._measures_gradients():
             return
         device = pl_module.device

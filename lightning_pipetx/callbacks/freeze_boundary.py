@@ -1,24 +1,19 @@
 """Hooks that hold a frozen prefix in place while training steps run.
 
 :class:`FreezeBoundary` is installed by :class:`~lightning_pipetx.FreezeCallback` at each
-freeze and removed at the end of fit:
+freeze and removed at the end of fit (or when it stops on an error):
 
 * a prefix module called in training mode (a ``training_step`` that calls ``model.train()``)
   goes back to eval mode before it runs;
-* the first active block's hidden state is cut from the prefix's autograd graph when only a
-  hook made it require a gradient (Hugging Face's ``enable_input_require_grads``, which
-  ``gradient_checkpointing_enable`` turns on for text models) and no prefix weight trains: the
-  backward then stops at the boundary instead of running through every frozen block;
-* a call of the first active block without autograd in a training step is noted, and
-  :meth:`FreezeBoundary.check` refuses the step if the block then got no gradient: reentrant
-  activation checkpointing (torch's ``checkpoint`` with ``use_reentrant=True``) gives a segment
-  no gradient once its input stops requiring one, which freezing the blocks before it causes.
+* a step whose first active block ran inside a reentrant activation checkpoint (torch's
+  ``checkpoint`` with ``use_reentrant=True``) and got no gradient, while other weights did, is
+  refused: such a segment gets no gradient once its input stops requiring one, which freezing
+  the blocks before it causes, and the blocks would silently stop training.
 """
 
 from __future__ import annotations
 
-import inspect
-import itertools
+import sys
 from typing import Any
 
 import torch
@@ -26,15 +21,24 @@ from torch import nn
 
 from lightning_pipetx.blocks import BlockSplit
 
+_REENTRANT_FORWARD = "CheckpointFunction.forward"  # torch.utils.checkpoint's reentrant segment
+_FRAMES_SEARCHED = 12
+
 
 def _keep_eval(module: nn.Module, args: tuple) -> None:
     if module.training:
         module.eval()
 
 
-def _input_grads_forced(root: nn.Module) -> bool:
-    """Whether a Hugging Face model under ``root`` makes its input embeddings' output require a gradient."""
-    return any(getattr(module, "_require_grads_hook", None) is not None for module in root.modules())
+def _in_reentrant_checkpoint() -> bool:
+    frame = sys._getframe(2)
+    for _ in range(_FRAMES_SEARCHED):
+        if frame is None:
+            return False
+        if frame.f_code.co_qualname == _REENTRANT_FORWARD and frame.f_code.co_filename.endswith("checkpoint.py"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class FreezeBoundary:
@@ -42,9 +46,8 @@ class FreezeBoundary:
 
     def __init__(self) -> None:
         self.first_active: int | None = None
-        self._ran_without_grad = False
-        self._cut = False
-        self._first_arg: str | None = None
+        self._in_checkpoint = False  # the first active block ran inside a reentrant checkpoint's forward
+        self._with_grad = False  # ... and with autograd on (a reentrant segment's recompute in the backward)
         self._handles: list[Any] = []
 
     def install(self, split: BlockSplit, frozen_blocks: int) -> None:
@@ -54,48 +57,37 @@ class FreezeBoundary:
             return
         for module in split.prefix_modules(frozen_blocks):
             self._handles.append(module.register_forward_pre_hook(_keep_eval))
-        prefix = itertools.chain(split.pre_parameters(), split.prefix_parameters(frozen_blocks))
-        self._cut = not any(p.requires_grad for p in prefix) and _input_grads_forced(split.root)
-        block = split.blocks[frozen_blocks]
-        self._first_arg = next(iter(inspect.signature(block.forward).parameters), None)
-        self._handles.append(block.register_forward_pre_hook(self._enter_first_active, with_kwargs=True))
+        self._handles.append(split.blocks[frozen_blocks].register_forward_pre_hook(self._enter_first_active))
         self.first_active = frozen_blocks
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self.first_active, self._ran_without_grad = None, False
+        self.first_active, self._in_checkpoint, self._with_grad = None, False, False
 
-    def _enter_first_active(self, block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if not torch.is_grad_enabled():
-            self._ran_without_grad = self._ran_without_grad or block.training
-            return None
-        if not self._cut:
-            return None
-        if args and _float_requiring_grad(args[0]):
-            return (args[0].detach().requires_grad_(), *args[1:]), kwargs
-        if not args and _float_requiring_grad(kwargs.get(self._first_arg)):
-            return args, {**kwargs, self._first_arg: kwargs[self._first_arg].detach().requires_grad_()}
-        return None
+    def _enter_first_active(self, block: nn.Module, args: tuple) -> None:
+        if torch.is_grad_enabled():
+            self._with_grad = True
+        elif block.training and _in_reentrant_checkpoint():
+            self._in_checkpoint = True
 
-    def check(self, split: BlockSplit, runs_here: bool) -> None:
-        """After a step's backward: refuse a step whose first active block ran without autograd
-        and got no gradient (``runs_here``: this rank holds the block's weights)."""
-        ran_without_grad, self._ran_without_grad = self._ran_without_grad, False
-        if not ran_without_grad or self.first_active is None or not runs_here:
+    def check(self, split: BlockSplit, optimizer: torch.optim.Optimizer, runs_here: bool) -> None:
+        """After a step's backward, before ``optimizer`` steps (``runs_here``: this rank holds the
+        first active block's weights): refuse a step whose first active block ran inside a reentrant
+        checkpoint, never with autograd, and got no gradient while other weights did."""
+        suspect = self._in_checkpoint and not self._with_grad
+        self._in_checkpoint = self._with_grad = False
+        if not suspect or self.first_active is None or not runs_here:
             return
-        params = [p for p in split.blocks[self.first_active].parameters() if p.requires_grad]
-        if params and all(p.grad is None for p in params):
+        block = [p for p in split.blocks[self.first_active].parameters() if p.requires_grad]
+        others = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if block and others and all(p.grad is None for p in block):
             raise RuntimeError(
                 f"FreezeCallback: block {self.first_active}, the first block still training, got no gradient: it ran "
-                f"without autograd. Reentrant activation checkpointing (torch.utils.checkpoint with "
-                f"use_reentrant=True, its default when use_reentrant is not passed) gives a checkpointed block no "
-                f"gradient once its input no longer requires one, as after the blocks before it froze. Pass "
-                f"use_reentrant=False to checkpoint (torch's recommendation), or make the blocks' input require a "
-                f"gradient (Hugging Face: model.enable_input_require_grads())."
+                f"in a reentrant activation checkpoint (torch.utils.checkpoint with use_reentrant=True, its "
+                f"default when use_reentrant is not passed), which gives a block no gradient once its input no "
+                f"longer requires one, as after the blocks before it froze. Pass use_reentrant=False to "
+                f"checkpoint (torch's recommendation), or make the blocks' input require a gradient (Hugging "
+                f"Face: model.enable_input_require_grads())."
             )
-
-
-def _float_requiring_grad(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.requires_grad and value.is_floating_point()
