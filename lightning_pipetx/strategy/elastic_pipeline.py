@@ -97,8 +97,9 @@ class ElasticPipelineStrategy(DDPStrategy):
             ``DistributedSampler`` (new shards every epoch); ``"stable"``: each replica keeps its
             shard and shuffles within it (:class:`StableShardSampler`), so that a node-local cache
             keeps hitting; ``"auto"``: ``"stable"`` when the run spans several nodes and caches.
-        memory_budget: bytes of memory per device for ``pipeline_length="auto"``; by default the
-            GPU's memory, or on CPU the host's memory divided among this node's processes.
+        memory_budget: bytes of memory per device for ``pipeline_length="auto"`` and for the
+            layouts transitions move to; by default the GPU's memory, or on CPU the host's memory
+            divided among this node's processes.
         bucket_cap_mb: size of a gradient bucket (all-reduced as one), as for DDP.
         reuse_host_memory: keep host memory freed by a training step for the next instead of
             handing it back to the system (glibc's ``malloc``, process-wide; see
