@@ -8,7 +8,8 @@ import tiny_models as tm
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from lightning_pipetx import FreezeCallback
+from lightning_pipetx import FreezeCallback, find_blocks
+from lightning_pipetx.callbacks.freeze_boundary import FreezeBoundary
 
 FREEZE_ONE_PER_EPOCH = dict(alpha=0.25, signal="schedule")  # 4 blocks: 1, then 2 frozen
 
@@ -134,3 +135,24 @@ def test_a_step_run_under_no_grad_and_skipped_is_not_taken_for_reentrant_checkpo
         PseudoLabels(seed=0), tm.task_loader("sequential", size=16, batch_size=4)
     )
     assert freeze.frozen_blocks == 3
+
+
+@pytest.mark.parametrize("backward_ran", [True, False])
+def test_a_stage_whose_blocks_all_ran_in_reentrant_segments_without_gradient_is_refused(backward_ran):
+    # A pipeline stage between the frozen first stage and the head: what it receives needs no
+    # gradient, so its reentrant segments give its blocks none, and no weight of the stage gets one.
+    module = tm.TinySequentialRegressor(seed=0, dropout=0.0)
+    split = find_blocks(module)
+    for param in [*split.pre_parameters(), *split.block_parameters(0)]:
+        param.requires_grad_(False)
+    boundary = FreezeBoundary()
+    boundary.install(split, 1)
+    hidden = torch.randn(4, 16)
+    for index in (1, 2):
+        hidden = checkpoint(split.blocks[index], hidden, use_reentrant=True)
+    if backward_ran:
+        with pytest.raises(RuntimeError, match="block 1, the first block still training, got no gradient"):
+            boundary.check(split, backward_ran=True, runs_here=True)
+    else:  # a step skipped before its backward (training_step returned None) proves nothing
+        boundary.check(split, backward_ran=False, runs_here=True)
+    boundary.remove()

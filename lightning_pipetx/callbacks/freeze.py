@@ -113,6 +113,7 @@ class FreezeCallback(Callback):
         self._norms = IntervalNorms()
         self._split: BlockSplit | None = None
         self._boundary = FreezeBoundary()
+        self._backward_ran = False  # since the last optimizer step
         self._pre_weights: list[str] | None = None  # found by the first training step's trace
         self._post_weights: list[str] = []  # the same
         self._post_modules: list[str] = []  # the same
@@ -278,10 +279,14 @@ class FreezeCallback(Callback):
             # Read here: a checkpoint written after this hook, before the epoch's decision, keeps it.
             self._observed = self.guard.read(trainer.callback_metrics)
 
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._backward_ran = True
+
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        self._boundary.check(self.split, optimizer, self._runs_block(trainer, self.frozen_blocks))
+        backward_ran, self._backward_ran = self._backward_ran, False
+        self._boundary.check(self.split, backward_ran, self._runs_block(trainer, self.frozen_blocks))
         if not self._measures_gradients():
             return
         device = pl_module.device

@@ -6,7 +6,7 @@ freeze and removed at the end of fit (or when it stops on an error):
 * a prefix module called in training mode (a ``training_step`` that calls ``model.train()``)
   goes back to eval mode before it runs;
 * a step whose first active block ran inside a reentrant activation checkpoint (torch's
-  ``checkpoint`` with ``use_reentrant=True``) and got no gradient, while other weights did, is
+  ``checkpoint`` with ``use_reentrant=True``) and got no gradient from the step's backward is
   refused: such a segment gets no gradient once its input stops requiring one, which freezing
   the blocks before it causes, and the blocks would silently stop training.
 """
@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointFunction
 
 from lightning_pipetx.blocks import BlockSplit
 
-_REENTRANT_FORWARD = "CheckpointFunction.forward"  # torch.utils.checkpoint's reentrant segment
+_REENTRANT_FORWARD = CheckpointFunction.forward.__code__  # torch.utils.checkpoint's reentrant segment
 _FRAMES_SEARCHED = 12
 
 
@@ -35,7 +36,7 @@ def _in_reentrant_checkpoint() -> bool:
     for _ in range(_FRAMES_SEARCHED):
         if frame is None:
             return False
-        if frame.f_code.co_qualname == _REENTRANT_FORWARD and frame.f_code.co_filename.endswith("checkpoint.py"):
+        if frame.f_code is _REENTRANT_FORWARD:
             return True
         frame = frame.f_back
     return False
@@ -72,17 +73,17 @@ class FreezeBoundary:
         elif block.training and _in_reentrant_checkpoint():
             self._in_checkpoint = True
 
-    def check(self, split: BlockSplit, optimizer: torch.optim.Optimizer, runs_here: bool) -> None:
-        """After a step's backward, before ``optimizer`` steps (``runs_here``: this rank holds the
-        first active block's weights): refuse a step whose first active block ran inside a reentrant
-        checkpoint, never with autograd, and got no gradient while other weights did."""
-        suspect = self._in_checkpoint and not self._with_grad
+    def check(self, split: BlockSplit, backward_ran: bool, runs_here: bool) -> None:
+        """Before the optimizer steps (``backward_ran``: the step ran its backward, not skipped by a
+        ``training_step`` returning None; ``runs_here``: this rank holds the first active block's
+        weights): refuse a step whose first active block ran inside a reentrant checkpoint, never
+        with autograd, and got no gradient."""
+        suspect = self._in_checkpoint and not self._with_grad and backward_ran
         self._in_checkpoint = self._with_grad = False
         if not suspect or self.first_active is None or not runs_here:
             return
         block = [p for p in split.blocks[self.first_active].parameters() if p.requires_grad]
-        others = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if block and others and all(p.grad is None for p in block):
+        if block and all(p.grad is None for p in block):
             raise RuntimeError(
                 f"FreezeCallback: block {self.first_active}, the first block still training, got no gradient: it ran "
                 f"in a reentrant activation checkpoint (torch.utils.checkpoint with use_reentrant=True, its "
