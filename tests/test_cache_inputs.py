@@ -8,6 +8,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
+from lightning_pipetx.autocache.states import RowLayout
 
 
 class SequenceFirst(pl.LightningModule):
@@ -283,3 +284,19 @@ def test_a_refusal_ends_with_its_fit(tmp_path):
     trainer.fit_loop.max_epochs = 7
     trainer.fit(tm.TinyBertClassifier(seed=0, dropout=0.0), DataLoader(data, batch_size=8))
     assert rates.rates[-1] == 1.0
+
+
+def test_every_rank_takes_what_any_rank_saw_of_the_rows_layout():
+    # A rank that becomes a first stage after a transition may read states another rank kept
+    # while their shape could not tell the batch dimension: it must not serve them either.
+    kept, fresh = RowLayout(), RowLayout()
+    assert kept.check(4, (4, 4, 8))  # batch 4, length 4: ambiguous
+    summed = [a + b for a, b in zip(kept.flags(), fresh.flags())]
+    for layout in (kept, fresh):
+        layout.agree(summed)
+    assert kept.unproven and fresh.unproven and "cannot tell" in fresh.suspect()
+    shown = RowLayout()
+    assert shown.check(3, (3, 4, 8))  # another micro-batch size shows dimension 0 is the batch
+    summed = [a + b for a, b in zip(shown.flags(), fresh.flags())]
+    fresh.agree(summed)
+    assert not fresh.unproven

@@ -132,12 +132,14 @@ class AutoCache:
             [
                 self.guard.take_counts().cpu(),
                 self.prefix_guard.take_counts().cpu(),
-                torch.tensor([float(not self.enabled)] + [float(name in slow) for name in TIER_NAMES]),
+                torch.tensor([float(not self.enabled), *self.layout.flags()] + [float(n in slow) for n in TIER_NAMES]),
             ]
         ).to(self.device, torch.float64)
         if group_size > 1:
             dist.all_reduce(flags)
-        compared, changed, prefix_compared, prefix_changed, disabled, *slow_flags = flags.tolist()
+        compared, changed, prefix_compared, prefix_changed, disabled, *layout_flags = flags.tolist()
+        self.layout.agree(layout_flags[:2])
+        slow_flags = layout_flags[2:]
         if self.guard.judge(compared, changed):
             self._changed(CHANGED_INPUT)
         elif self.prefix_guard.judge(prefix_compared, prefix_changed):

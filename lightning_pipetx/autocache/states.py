@@ -43,6 +43,7 @@ class RowLayout:
     def __init__(self) -> None:
         self.confirmed = False  # a micro-batch's sample count matched dimension 0 and no other
         self._ambiguous: tuple[int, tuple[int, ...]] | None = None  # a kept state's shape that could not tell
+        self._ambiguous_elsewhere = False  # another rank kept such states (its cache may be read here)
 
     def check(self, samples: int, shape: tuple[int, ...]) -> bool:
         """Whether row ``i`` can be sample ``i`` (False: dimension 0 is not the micro-batch's samples)."""
@@ -57,7 +58,18 @@ class RowLayout:
     @property
     def unproven(self) -> bool:
         """States were kept whose shape could not tell the batch dimension, and no micro-batch has shown it."""
-        return self._ambiguous is not None and not self.confirmed
+        return (self._ambiguous is not None or self._ambiguous_elsewhere) and not self.confirmed
+
+    def flags(self) -> list[float]:
+        """What this rank has seen, for :meth:`agree`."""
+        return [float(self.confirmed), float(self._ambiguous is not None)]
+
+    def agree(self, flags: list[float]) -> None:
+        """Take what every rank has seen (:meth:`flags` summed over the ranks): the layout is the
+        model's, and a rank that becomes a first stage may read states another one kept."""
+        confirmed, ambiguous = flags
+        self.confirmed = self.confirmed or confirmed > 0
+        self._ambiguous_elsewhere = ambiguous > 0
 
     @staticmethod
     def wrong(samples: int, shape: tuple[int, ...]) -> str:
@@ -69,7 +81,7 @@ class RowLayout:
 
     def suspect(self) -> str:
         """Why unproven states whose input changed between epochs are not served."""
-        samples, shape = self._ambiguous
+        samples, shape = self._ambiguous or ("as many", "(samples, samples, ...)")
         return (
             f"the frozen blocks' hidden states have shape {shape} for {samples} samples, which cannot tell whether "
             f"the first dimension is the batch, and their rows changed between epochs for samples the loader yielded "
