@@ -1017,3 +1017,11 @@ def test_a_frozen_model_validates_and_predicts_with_the_callback():
     loader = tm.task_loader("bert", size=8)
     assert "val_acc" in trainer.validate(module, loader, verbose=False)[0]
     assert len(trainer.predict(module, loader)) == 1
+
+
+def test_the_per_step_rows_use_a_float_the_device_holds():
+    # Apple's MPS holds no float64: FreezeCallback's per-step rows there are float32.
+    from lightning_pipetx.callbacks.freeze_context import widest_float
+
+    assert widest_float(torch.device("mps")) is torch.float32
+    assert widest_float(torch.device("cpu")) is widest_float(torch.device("cuda", 0)) is torch.float64

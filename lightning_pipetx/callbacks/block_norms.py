@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from lightning_pipetx.blocks import BlockSplit
-from lightning_pipetx.callbacks.freeze_context import all_reduce_max, all_reduce_min
+from lightning_pipetx.callbacks.freeze_context import all_reduce_max, all_reduce_min, widest_float
 
 
 class BlockGradientNorms:
@@ -74,7 +74,7 @@ class IntervalNorms:
     ) -> None:
         """One step's row: the norms of blocks ``[first, L)`` divided by the loss ``scale`` the
         gradients still carry, and whether the rest of the step's gradients were ``finite``."""
-        row = torch.zeros(split.num_blocks + 2, dtype=torch.float64, device=device)
+        row = torch.zeros(split.num_blocks + 2, dtype=widest_float(device), device=device)
         norms = row[: split.num_blocks]
         if self._norms.measure(split, first, norms):
             row[-1] = 1.0  # measured
@@ -89,7 +89,7 @@ class IntervalNorms:
         """Add the recorded steps that some rank measured and none saw overflow into the host totals
         (one read of the device, collectives)."""
         width = len(self.sums) + 2
-        rows = torch.stack(self.rows).cpu() if self.rows else torch.zeros(0, width, dtype=torch.float64)
+        rows = torch.stack(self.rows).cpu().double() if self.rows else torch.zeros(0, width, dtype=torch.float64)
         self.rows = []
         counts = all_reduce_max(torch.tensor([float(len(rows)), -float(len(rows))]))
         if counts[0] != -counts[1]:

@@ -27,7 +27,12 @@ def loss_scale_left_in(
         return None
     if not unscales_in_own_step(optimizer):
         return None
-    return scaler.scale(torch.ones((), device=device)).to(torch.float64)
+    return scaler.scale(torch.ones((), device=device)).to(widest_float(device))
+
+
+def widest_float(device: torch.device) -> torch.dtype:
+    """float64, or float32 on Apple's MPS, which holds no float64."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def skips_overflowed_steps(trainer: pl.Trainer) -> bool:
