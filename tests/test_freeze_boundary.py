@@ -147,6 +147,7 @@ def test_a_stage_whose_blocks_all_ran_in_reentrant_segments_without_gradient_is_
         param.requires_grad_(False)
     boundary = FreezeBoundary()
     boundary.install(split, 1)
+    boundary.in_training_step = True  # as FreezeCallback sets it around a training batch
     hidden = torch.randn(4, 16)
     for index in (1, 2):
         hidden = checkpoint(split.blocks[index], hidden, use_reentrant=True)
@@ -156,3 +157,36 @@ def test_a_stage_whose_blocks_all_ran_in_reentrant_segments_without_gradient_is_
     else:  # a step skipped before its backward (training_step returned None) proves nothing
         boundary.check(split, backward_ran=False, runs_here=True)
     boundary.remove()
+
+
+class ReentrantHFViT(tm.TinyViTClassifier):
+    """HF's ViT with its own reentrant checkpointing: GradientCheckpointingLayer checkpoints each
+    block's forward inside the block's call, and pixel inputs get no enable_input_require_grads."""
+
+    def __init__(self):
+        super().__init__(seed=0, dropout=0.0)
+        self.model = tm.tiny_hf_vit(seed=0, dropout=0.0)
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+
+    def forward(self, images):
+        return self.model(pixel_values=images).logits
+
+
+class ReentrantInEvalMode(CheckpointedBlocks):
+    """Reentrant segments, with the whole model put in eval mode in each step (no dropout)."""
+
+    def training_step(self, batch, batch_idx):
+        self.eval()
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("case", ["hf_vit", "eval_mode"])
+def test_reentrant_checkpointing_is_refused_wherever_it_wraps_the_block(case):
+    if case == "hf_vit":
+        module, loader = ReentrantHFViT(), tm.make_loader(tm.RandomImageDataset(size=16), batch_size=4)
+    else:
+        module, loader = ReentrantInEvalMode(use_reentrant=True), tm.task_loader("sequential", size=16, batch_size=4)
+    trainer = tm.make_trainer([FreezeCallback(**FREEZE_ONE_PER_EPOCH)], max_epochs=3)
+    with pytest.raises(RuntimeError, match="got no gradient: it ran hidden from autograd"):
+        trainer.fit(module, loader)
+    assert trainer.current_epoch == 1

@@ -216,6 +216,7 @@ class FreezeCallback(Callback):
     ) -> None:
         # Lightning calls module.train() at epoch start and after validation.
         self._set_prefix_eval()
+        self._boundary.in_training_step = True
         if self._pre_weights is None and self._trace is None:
             self._trace = PreTrace(self.split)
             self._trace.start()
@@ -223,6 +224,7 @@ class FreezeCallback(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._boundary.in_training_step = False
         if self._trace is not None:
             self._end_trace(trainer)
         now = time.perf_counter()
