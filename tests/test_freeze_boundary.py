@@ -66,7 +66,8 @@ def test_reentrant_checkpointing_is_refused_once_a_frozen_prefix_leaves_the_bloc
     # (and every later checkpointed block) none: they would silently stop training.
     trainer = tm.make_trainer([FreezeCallback(**FREEZE_ONE_PER_EPOCH)], max_epochs=3)
     with pytest.raises(
-        RuntimeError, match="block 1, the first block still training, got no gradient.*use_reentrant=False"
+        RuntimeError,
+        match="block 1, the first block still training, got no gradient: it ran in a reentrant.*use_reentrant=False",
     ):
         trainer.fit(CheckpointedBlocks(use_reentrant=True), tm.task_loader("sequential", size=16, batch_size=4))
     assert trainer.current_epoch == 1 and trainer.global_step == 4  # refused at the first step after the freeze
@@ -187,6 +188,56 @@ def test_reentrant_checkpointing_is_refused_wherever_it_wraps_the_block(case):
     else:
         module, loader = ReentrantInEvalMode(use_reentrant=True), tm.task_loader("sequential", size=16, batch_size=4)
     trainer = tm.make_trainer([FreezeCallback(**FREEZE_ONE_PER_EPOCH)], max_epochs=3)
-    with pytest.raises(RuntimeError, match="got no gradient: it ran hidden from autograd"):
+    with pytest.raises(RuntimeError, match="got no gradient: it ran in a reentrant activation checkpoint"):
         trainer.fit(module, loader)
+    assert trainer.current_epoch == 1
+
+
+class SkipsItself(torch.nn.Module):
+    """A block that decides inside its call to skip itself (LayerDrop), handing its input back."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return x if self.training and torch.rand(()) < 0.5 else self.inner(x)
+
+
+class BlocksThatSkipThemselves(tm.TinySequentialRegressor):
+    def __init__(self):
+        super().__init__(seed=0, dropout=0.0)
+        for index, block in enumerate(self.model.blocks):
+            self.model.blocks[index] = SkipsItself(block)
+
+
+def test_a_block_that_skips_itself_is_not_taken_for_a_checkpoint():
+    torch.manual_seed(0)
+    freeze = FreezeCallback(**FREEZE_ONE_PER_EPOCH)
+    tm.make_trainer([freeze], max_epochs=3).fit(
+        BlocksThatSkipThemselves(), tm.task_loader("sequential", size=32, batch_size=4)
+    )
+    assert freeze.frozen_blocks == 3
+
+
+class UntrainedFirstActiveBlock(CheckpointedBlocks):
+    """Block 1 trains nothing (an adapter left off it); blocks 2 and 3 run in reentrant segments."""
+
+    def __init__(self, zero_in_place: bool = False):
+        super().__init__(use_reentrant=True)
+        self.zero_in_place = zero_in_place
+        for param in self.model.blocks[1].parameters():
+            param.requires_grad_(False)
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        optimizer.zero_grad(set_to_none=not self.zero_in_place)
+
+
+@pytest.mark.parametrize("zero_in_place", [False, True])
+def test_the_first_block_that_trains_after_the_prefix_is_watched(zero_in_place):
+    # Once block 0 freezes, block 2 (the first that trains) gets no gradient from its segment;
+    # with gradients zeroed in place they stay zero tensors instead of None.
+    trainer = tm.make_trainer([FreezeCallback(**FREEZE_ONE_PER_EPOCH)], max_epochs=3)
+    with pytest.raises(RuntimeError, match="block 2, the first block still training, got no gradient"):
+        trainer.fit(UntrainedFirstActiveBlock(zero_in_place), tm.task_loader("sequential", size=16, batch_size=4))
     assert trainer.current_epoch == 1

@@ -288,7 +288,9 @@ class FreezeCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         backward_ran, self._backward_ran = self._backward_ran, False
-        self._boundary.check(self.split, backward_ran, self._runs_block(trainer, self.frozen_blocks))
+        watched = self._boundary.watched
+        runs_here = watched is not None and self._runs_block(trainer, watched)
+        self._boundary.check(self.split, backward_ran, runs_here)
         if not self._measures_gradients():
             return
         device = pl_module.device
