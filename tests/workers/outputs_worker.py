@@ -13,6 +13,7 @@ Every rank writes OUT_DIR/<MODE>_rank<N>.json (and, for fail_all, its weights).
 import json
 import os
 import sys
+import time
 from collections import defaultdict
 from datetime import timedelta
 
@@ -188,6 +189,17 @@ class OneSample(pl.LightningDataModule):
         return DataLoader(dataset, batch_size=3, collate_fn=pad_to_longest)
 
 
+def wait_for_every_report(out_dir, rank, world_size, seconds=60.0):
+    """The launcher ends every rank when the first one fails: each rank waits (a bounded time)
+    until every rank has printed what it reports, signalled by a file (the group is gone)."""
+    open(os.path.join(out_dir, f"reported_rank{rank}"), "w").close()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if all(os.path.exists(os.path.join(out_dir, f"reported_rank{r}")) for r in range(world_size)):
+            return
+        time.sleep(0.1)
+
+
 def main():
     out_dir, mode = sys.argv[1], sys.argv[2]
     rank = int(os.environ["RANK"])
@@ -219,6 +231,7 @@ def main():
                 trainer.save_checkpoint(os.path.join(out_dir, "incomplete.ckpt"), weights_only=True)
             except RuntimeError as error:
                 print(f"[rank{rank}] save refused: {error}", flush=True)
+            wait_for_every_report(out_dir, rank, 2)
     with open(os.path.join(out_dir, f"{mode}_rank{rank}.json"), "w") as f:
         json.dump(report, f)
 
