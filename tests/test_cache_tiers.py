@@ -245,8 +245,9 @@ def test_the_training_and_validation_caches_hold_to_one_device_budget_and_one_ra
     row = 3 * 2 * 4
     control = CacheControl("auto", str(tmp_path), ram_bytes=6 * row, device_bytes=3 * row)
     cpu = torch.device("cpu")
-    training = _checked(control.open(_run(tmp_path), 0, 4, cpu, share_host=False), 4)
-    validation = _checked(control.open_eval(_run(tmp_path), 0, 4, cpu, share_host=False), 4)
+    site = CacheSite(_run(tmp_path), 0, cpu, share_host=False)
+    training = _checked(control.open(site, 4), 4)
+    validation = _checked(control.open_eval(site, 4), 4)
     training.store(torch.arange(4), 1, _states(1, 4))  # 3 rows on the device, the depth's file in RAM
     validation.store(torch.arange(4), 1, _states(2, 4))  # no device rows left, no room in RAM: disk
     assert training.tier_bytes("device") == 3 * row and validation.tier_bytes("device") == 0
@@ -262,7 +263,7 @@ def test_the_training_and_validation_caches_hold_to_one_device_budget_and_one_ra
 
 def test_a_tier_measured_slower_than_the_prefix_is_dropped_and_autopipe_stops_counting_it_free(tmp_path, caplog):
     control = CacheControl("auto", str(tmp_path), ram_bytes=2**20, device_bytes=0)
-    cache = _checked(control.open(_run(tmp_path), 0, 4, torch.device("cpu"), share_host=False), 4)
+    cache = _checked(control.open(CacheSite(_run(tmp_path), 0, torch.device("cpu"), share_host=False), 4), 4)
     cache.store(torch.arange(4), 2, _states(2, 4))
     # What the stopwatch resolved from the last epoch: a read of a sample from RAM took 1 ms,
     # a frozen block 10 us per sample (a slow file system under a small model).

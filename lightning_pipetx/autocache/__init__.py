@@ -8,8 +8,8 @@ that feed it, and each step's keys).
 """
 
 from lightning_pipetx.autocache.cache import AutoCache
-from lightning_pipetx.autocache.control import CacheControl, cache_directories
-from lightning_pipetx.autocache.feed import CacheFeed, CacheSite
+from lightning_pipetx.autocache.control import CacheControl, CacheSite, cache_directories
+from lightning_pipetx.autocache.feed import CacheFeed
 from lightning_pipetx.autocache.guards import TrainablePrefixError
 from lightning_pipetx.autocache.prefix import CachedPrefix
 

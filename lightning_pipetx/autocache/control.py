@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,6 +15,19 @@ from lightning_pipetx.autocache.tiers import TIER_NAMES
 from lightning_pipetx.blocks import BlockSplit
 
 _SHM = Path("/dev/shm")
+
+
+@dataclass(frozen=True)
+class CacheSite:
+    """Where this rank's caches live: the run, the node, the training device, whether several
+    first stages of the node read the host tier, and how many processes of the node keep caches
+    in folders of their own (each then holds to its share of the node's RAM budget)."""
+
+    run_token: str
+    node_rank: int
+    device: torch.device
+    share_host: bool
+    private_processes: int = 1
 
 
 def cache_directories(run_token: str, node_rank: int, spill_root: str | None) -> tuple[Path, Path]:
@@ -51,50 +65,23 @@ class CacheControl:
         self._refusal: str | None = None
         self._validation_refusal: str | None = None
 
-    def open(
-        self,
-        run_token: str,
-        node_rank: int,
-        num_samples: int,
-        device: torch.device,
-        share_host: bool,
-        private_processes: int = 1,
-    ) -> AutoCache:
-        """The run's training cache on this rank (created once); ``private_processes``: the processes
-        of the node that keep caches in folders of their own, dividing the RAM budget."""
+    def open(self, site: CacheSite, num_samples: int) -> AutoCache:
+        """The run's training cache on this rank (created once)."""
         if self.cache is None:
-            self.cache = self._new(run_token, node_rank, num_samples, device, share_host, private_processes, True)
+            self.cache = self._new(site.run_token, site, num_samples, training=True)
         return self.cache
 
-    def open_eval(
-        self,
-        run_token: str,
-        node_rank: int,
-        num_samples: int,
-        device: torch.device,
-        share_host: bool,
-        private_processes: int = 1,
-    ) -> AutoCache:
-        """The run's validation cache on this rank (created once), as :meth:`open`."""
+    def open_eval(self, site: CacheSite, num_samples: int) -> AutoCache:
+        """The run's validation cache on this rank (created once)."""
         if self.eval_cache is None:
-            token = f"{run_token}-val"
-            self.eval_cache = self._new(token, node_rank, num_samples, device, share_host, private_processes, False)
+            self.eval_cache = self._new(f"{site.run_token}-val", site, num_samples, training=False)
         return self.eval_cache
 
-    def _new(
-        self,
-        token: str,
-        node_rank: int,
-        num_samples: int,
-        device: torch.device,
-        share_host: bool,
-        private_processes: int,
-        training: bool,
-    ) -> AutoCache:
-        ram, spill = cache_directories(token, node_rank, self.cache_dir)
+    def _new(self, token: str, site: CacheSite, num_samples: int, training: bool) -> AutoCache:
+        ram, spill = cache_directories(token, site.node_rank, self.cache_dir)
         label = "AutoCache" if training else "AutoCache's validation cache"
-        ram_bytes = self.ram_bytes // private_processes
-        cache = AutoCache(ram, spill, num_samples, ram_bytes, device, self.device_bytes, share_host, label)
+        ram_bytes = self.ram_bytes // site.private_processes
+        cache = AutoCache(ram, spill, num_samples, ram_bytes, site.device, self.device_bytes, site.share_host, label)
         cache.force = self.mode is True and training  # validation is never served a state its input outdated
         cache.strict = not training
         for other in self._caches():  # the budgets hold for both caches together

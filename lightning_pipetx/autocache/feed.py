@@ -9,14 +9,13 @@ next one (which the cache prefetches).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_pipetx.autocache.cache import AutoCache
-from lightning_pipetx.autocache.control import CacheControl
+from lightning_pipetx.autocache.control import CacheControl, CacheSite
 from lightning_pipetx.autocache.sample_keys import RecordingBatchSampler, ValidationKeys, recording
 
 Keys = tuple[torch.Tensor | None, torch.Tensor | None]
@@ -31,19 +30,6 @@ RELOADED_VALIDATION = (
     "the validation loader was rebuilt over another dataset object, whose indices may name other samples "
     "than the cached states; return the same dataset object from val_dataloader() to keep the cache"
 )
-
-
-@dataclass(frozen=True)
-class CacheSite:
-    """Where this rank's caches live: the run, the node, the training device, whether several
-    first stages of the node read the host tier, and how many processes of the node keep caches
-    in folders of their own (each then holds to its share of the node's RAM budget)."""
-
-    run_token: str
-    node_rank: int
-    device: torch.device
-    share_host: bool
-    private_processes: int = 1
 
 
 def _has_len(dataset: Any) -> bool:
@@ -102,9 +88,7 @@ class CacheFeed:
             return loader, None
         self._training_dataset = loader.dataset
         size = len(loader.dataset)
-        return loader, self.control.open(
-            site.run_token, site.node_rank, size, site.device, site.share_host, site.private_processes
-        )
+        return loader, self.control.open(site, size)
 
     def validation_loader(self, loader: DataLoader, site: CacheSite) -> DataLoader:
         """``loader``, recording its batches if it is the recorded one (the first, or a reload of it)."""
@@ -113,9 +97,7 @@ class CacheFeed:
         loader = self._validation.record(loader)
         if self._validation.dataset is loader.dataset:
             size = len(loader.dataset)
-            self.control.open_eval(
-                site.run_token, site.node_rank, size, site.device, site.share_host, site.private_processes
-            )
+            self.control.open_eval(site, size)
         return loader
 
     def _reload_refusal(self, dataset: Any, cached_samples: int) -> str | None:
