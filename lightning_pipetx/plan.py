@@ -36,6 +36,7 @@ from lightning_pipetx.strategy.autopipe import (
     ModelMemory,
     Plan,
     block_costs,
+    buildable_lengths,
     choose_initial_plan,
     choose_plan,
     device_fit,
@@ -43,6 +44,7 @@ from lightning_pipetx.strategy.autopipe import (
     frozen_in_place,
     kept_reason,
     make_plan,
+    transition_limit,
 )
 from lightning_pipetx.strategy.dataloading import global_batch_fits
 
@@ -149,15 +151,15 @@ def dry_run(
         batch0 = (batch_size, devices // pipeline_length)
         accept = lambda layout: global_batch_fits(batch0, layout.replicas)  # noqa: E731
     start, frozen_time = make_plan(costs, 0, devices, pipeline_length, microbatches), 0.0 if cached else FROZEN_TIME
-    limit = max(budget * (1 - ACTIVATION_SHARE), max(memory.stage_bytes(start.bounds)))  # as AutoPipe.start
+    limit = transition_limit(memory, budget, start)
     steps, previous = [], start
     for decision, frozen in freeze_steps(num_blocks, alpha, min_active_blocks):
-        args = (costs, frozen, devices, pipeline_length, microbatches, accept, frozen_time)
-        plan = choose_plan(*args, fits=device_fit(memory, frozen, limit))
+        fits = device_fit(memory, frozen, limit)
+        plan = choose_plan(costs, frozen, devices, pipeline_length, microbatches, accept, frozen_time, fits=fits)
         row = {"decision": decision, "frozen": frozen}
         if plan is None:  # no layout is left: the blocks freeze in place, as the strategy does
             plan = frozen_in_place(previous, costs, frozen, frozen_time)
-            by_memory = choose_plan(*args) is not None
+            by_memory = bool(buildable_lengths(num_blocks, frozen, devices, pipeline_length, accept))
             row.update(change="kept", reason=kept_reason(num_blocks, frozen, pipeline_length, by_memory))
         else:
             row["change"] = change(previous, plan)

@@ -297,6 +297,12 @@ def choose_initial_plan(
     return best.plan, candidates
 
 
+def transition_limit(memory: ModelMemory, budget_bytes: float, start: Plan) -> float:
+    """Training-state bytes a stage may hold after a transition: the share of ``budget_bytes`` that
+    ``pipeline_length="auto"`` allows, or what the ``start`` plan's largest stage needed, if more."""
+    return max(budget_bytes * (1 - ACTIVATION_SHARE), max(memory.stage_bytes(start.bounds)))
+
+
 def device_fit(memory: ModelMemory, frozen: int, limit_bytes: float) -> Callable[[Plan], bool]:
     """Whether a plan's largest stage, with ``frozen`` blocks frozen, keeps its training state within ``limit_bytes``."""
     return lambda plan: max(memory.stage_bytes(plan.bounds, frozen)) <= limit_bytes * (1 + 1e-9)
@@ -382,7 +388,7 @@ class AutoPipe:
                 )
             self.initial_length = self.pipeline_length
         start = self.plan(0, world_size)
-        self.memory_limit = max(bytes_per_device * (1 - ACTIVATION_SHARE), max(self.memory.stage_bytes(start.bounds)))
+        self.memory_limit = transition_limit(self.memory, bytes_per_device, start)
         return start, why
 
     def take_profile(self, seconds: Callable[[], list[float] | None]) -> list[float] | None:
@@ -413,9 +419,19 @@ class AutoPipe:
         if frozen == 0:
             return make_plan(self.costs, 0, world_size, self.initial_length, self.microbatches, sizes=self.sizes)
         fits = None if self.memory is None else device_fit(self.memory, frozen, self.memory_limit)
-        args = (self.costs, frozen, world_size, self.initial_length, self.microbatches, accept, frozen_time)
-        plan = choose_plan(*args, self.sizes, fits)
-        self.kept_by_memory = plan is None and choose_plan(*args, self.sizes) is not None
+        plan = choose_plan(
+            self.costs,
+            frozen,
+            world_size,
+            self.initial_length,
+            self.microbatches,
+            accept,
+            frozen_time,
+            self.sizes,
+            fits,
+        )
+        buildable = buildable_lengths(len(self.costs), frozen, world_size, self.initial_length, accept)
+        self.kept_by_memory = plan is None and bool(buildable)
         return plan
 
     def kept_reason(self, frozen: int) -> str:
