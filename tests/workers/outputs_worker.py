@@ -191,7 +191,8 @@ class OneSample(pl.LightningDataModule):
 
 def wait_for_every_report(out_dir, rank, world_size, seconds=60.0):
     """The launcher ends every rank when the first one fails: each rank waits (a bounded time)
-    until every rank has printed what it reports, signalled by a file (the group is gone)."""
+    until every rank has printed what it reports, its error included, signalled by a file (the
+    group is gone)."""
     open(os.path.join(out_dir, f"reported_rank{rank}"), "w").close()
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -226,6 +227,9 @@ def main():
         trainer = trainer_for(2, timeout=45, max_epochs=1)
         try:
             trainer.fit(FailingLastStage(), loader(32, 4, 1))
+        except BaseException as error:  # printed now: the launcher may end this rank once a peer exits
+            print(f"[rank{rank}] fit failed: {type(error).__name__}: {error}", flush=True)
+            raise
         finally:
             try:
                 trainer.save_checkpoint(os.path.join(out_dir, "incomplete.ckpt"), weights_only=True)
