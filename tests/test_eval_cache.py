@@ -32,7 +32,9 @@ class ValidationRecord(Callback):
         self.rates.append(None if rate is None else float(rate))
 
 
-def fit(cache, tmp_path, val_data=None, module=None, epochs=4, sanity_steps=0, val_loaders=None, callbacks=()):
+def fit(
+    cache, tmp_path, val_data=None, module=None, epochs=4, sanity_steps=0, val_loaders=None, callbacks=(), **options
+):
     module = module or tm.TinyBertClassifier(seed=0, dropout=0.0)
     record = ValidationRecord()
     trainer = pl.Trainer(
@@ -46,6 +48,7 @@ def fit(cache, tmp_path, val_data=None, module=None, epochs=4, sanity_steps=0, v
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=sanity_steps,
+        **options,
     )
     train = DataLoader(tm.RandomTokenDataset(size=32, seed=1), batch_size=8, shuffle=True)
     val = val_loaders or DataLoader(val_data or tm.RandomTokenDataset(size=24, seed=2), batch_size=8)
@@ -77,6 +80,48 @@ def test_validation_inputs_that_change_keep_only_the_validation_cache_off(tmp_pa
     assert not any(m.startswith("pipetx: AutoCache switched off") for m in messages)
     assert record.served == [(0, 0), (0, 24), None, None]  # off once the second validation compared them
     assert trainer.callback_metrics["pipetx/cache_hit_rate"] == 1.0  # training still cached
+
+
+class _Resizable(torch.utils.data.Dataset):
+    """The first ``size`` of 40 samples: one dataset object whose length a run may change."""
+
+    def __init__(self, size):
+        self.base, self.size = tm.RandomTokenDataset(size=40, seed=2), size
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        return self.base[index]
+
+
+class GrowingValidation(tm.TinyBertClassifier):
+    """Validates on 24 samples, then on 40 from the fourth epoch on (reloading its loaders)."""
+
+    def __init__(self, data):
+        super().__init__(seed=0, dropout=0.0)
+        self.data = data
+
+    def on_validation_epoch_end(self):
+        if self.current_epoch == 2:
+            self.data.size = 40
+
+
+def test_a_validation_dataset_that_changes_its_length_turns_the_validation_cache_off(tmp_path, caplog):
+    def run(cache):
+        data = _Resizable(24)
+        val = DataLoader(data, batch_size=8)
+        module = GrowingValidation(data)
+        return fit(cache, tmp_path, module=module, val_loaders=val, epochs=5, reload_dataloaders_every_n_epochs=1)
+
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        cached, record, _ = run(True)
+    assert "the validation dataset changed its length between epochs (24 -> 40 samples)" in caplog.text
+    assert record.served == [(0, 0), (0, 24), (0, 24), None, None]  # before: an index past the cache's 24 samples
+    uncached, plain, _ = run(False)
+    assert record.losses == plain.losses
+    for key, value in uncached.state_dict().items():
+        torch.testing.assert_close(cached.state_dict()[key], value, atol=0, rtol=0, msg=key)
 
 
 class MaskedValidation(tm.TinyBertClassifier):

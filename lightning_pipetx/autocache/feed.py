@@ -32,6 +32,16 @@ RELOADED_VALIDATION = (
 )
 
 
+def _resized(kind: str, cached_samples: int, dataset: Any) -> str | None:
+    """Why the ``kind`` dataset's indices may no longer name the cached samples (None: its length is kept)."""
+    if len(dataset) == cached_samples:
+        return None
+    return (
+        f"the {kind} dataset changed its length between epochs ({cached_samples} -> {len(dataset)} samples): "
+        f"its indices may name other samples than the cached states; keep its length fixed to keep the cache"
+    )
+
+
 def _has_len(dataset: Any) -> bool:
     try:
         len(dataset)
@@ -108,13 +118,8 @@ class CacheFeed:
                 "samples than the cached states; return the same dataset object from train_dataloader() to "
                 "keep the cache."
             )
-        if len(dataset) != cached_samples:
-            return (
-                f"the training dataset changed its length between epochs ({cached_samples} -> {len(dataset)} "
-                f"samples): its indices may name other samples than the cached states; keep its length fixed to "
-                f"keep the cache."
-            )
-        return None
+        resized = _resized("training", cached_samples, dataset)
+        return None if resized is None else resized + "."
 
     def training_keys(self) -> Keys:
         """The dataset indices of this training batch and of the next one (None: not recorded)."""
@@ -133,10 +138,14 @@ class CacheFeed:
 
     def begin_validation(self, loaders: Any, world_size: int) -> None:
         """Before a validation run in fit (a collective where the validation cache exists). A
-        recorded loader rebuilt over another dataset switches the validation cache off: it is freed."""
-        if self.control.eval_cache is not None:
+        recorded loader rebuilt over another dataset, or its dataset resized, switches the
+        validation cache off: it is freed."""
+        cache = self.control.eval_cache
+        if cache is not None:
             if not self._validation.locate(loaders):
                 self.control.refuse_validation(RELOADED_VALIDATION)
+            elif (resized := _resized("validation", cache.num_samples, self._validation.dataset)) is not None:
+                self.control.refuse_validation(resized)
             self.control.begin_validation(world_size)
 
     def validation_keys(self, step_args: tuple) -> tuple[AutoCache | None, torch.Tensor | None, torch.Tensor | None]:
