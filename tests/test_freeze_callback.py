@@ -251,6 +251,18 @@ def test_min_active_blocks_leaving_nothing_to_freeze_fails_at_setup():
         trainer.fit(seq_module(), seq_loader())
 
 
+def test_a_sharding_strategy_is_refused_at_setup():
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    class Parallelized(tm.TinySequentialRegressor):
+        def configure_model(self):  # where a user applies fully_shard / tensor parallelism
+            pass
+
+    trainer = make_trainer([FreezeCallback()], max_epochs=1, strategy=ModelParallelStrategy())
+    with pytest.raises(ValueError, match="FreezeCallback does not support ModelParallelStrategy"):
+        trainer.fit(Parallelized(seed=0), seq_loader())
+
+
 def test_bad_blocks_path_fails_at_setup():
     trainer = make_trainer([FreezeCallback(blocks="model.layers")], max_epochs=1)
     with pytest.raises(BlockListNotFoundError, match="blocks='model.layers'"):

@@ -10,7 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
@@ -143,11 +143,12 @@ class FreezeCallback(Callback):
         return self._post_weights
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if isinstance(trainer.strategy, (FSDPStrategy, DeepSpeedStrategy)):
+        strategy = trainer.strategy
+        if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
             raise ValueError(
-                f"FreezeCallback does not support {type(trainer.strategy).__name__}: sharded parameters "
-                f"cannot change requires_grad after wrapping. Use a single device, DDPStrategy or "
-                f"ElasticPipelineStrategy."
+                f"FreezeCallback does not support {type(strategy).__name__}: sharded parameters (FSDP, "
+                f"DeepSpeed, ModelParallelStrategy) cannot change requires_grad after wrapping, and their "
+                f"gradient norms are per shard. Use a single device, DDPStrategy or ElasticPipelineStrategy."
             )
         try:
             self._split = find_blocks(pl_module, agreed_block_path(self.blocks, trainer.strategy))
