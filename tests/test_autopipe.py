@@ -292,3 +292,10 @@ def test_a_transition_needs_a_layout_that_fits_the_device():
     assert one_frozen is not None and one_frozen.layout == Layout(4, 1)
     fits = device_fit(memory, 3, start_peak)
     assert all(fits(p) for p in [one_frozen]) and not fits(roomy.plan(3, 4))
+
+
+def test_every_rank_takes_global_rank_0s_plan(tmp_path):
+    # Rank 1's planner keeps 2x1 at every freeze; rank 0's moves to 1x2: both move.
+    run_workers("plan_broadcast_worker.py", 2, str(tmp_path), timeout=300)
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert reports[0] == reports[1] == {"layouts": ["2x1", "2x1", "1x2"], "frozen": 3}
