@@ -198,6 +198,14 @@ def test_checkpointing_around_the_blocks_fails_with_an_explanation_under_a_pipel
     assert "activation checkpointing wraps several blocks from outside them" in output
 
 
+def test_reentrant_checkpointing_of_a_stage_s_last_block_is_refused_under_a_pipeline(tmp_path):
+    # The stage's output, computed without autograd inside the segment, would carry no gradient
+    # back: the first stage's weights would never train.
+    output = run_workers("recipes_worker.py", 2, str(tmp_path), "reentrant", expect_failure=True, timeout=120)
+    assert "the last block of a pipeline stage, ran inside a reentrant activation checkpoint" in output
+    assert "use_reentrant=False" in output
+
+
 def test_weight_averaging_under_a_pipeline_is_refused(tmp_path):
     # EMA averages every weight after each step; a rank holds only its stage's blocks.
     output = run_workers("recipes_worker.py", 2, str(tmp_path), "ema", expect_failure=True)

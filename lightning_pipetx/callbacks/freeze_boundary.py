@@ -16,33 +16,18 @@ freeze and removed at the end of fit (or when it stops on an error):
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointFunction
 
 from lightning_pipetx.blocks import BlockSplit
-
-_REENTRANT_FORWARD = CheckpointFunction.forward.__code__  # torch.utils.checkpoint's reentrant segment
-_FRAMES_SEARCHED = 64
+from lightning_pipetx.checkpointing import REENTRANT_FIX, in_reentrant_checkpoint
 
 
 def _keep_eval(module: nn.Module, args: tuple) -> None:
     if module.training:
         module.eval()
-
-
-def _in_reentrant_checkpoint() -> bool:
-    frame = sys._getframe(2)
-    for _ in range(_FRAMES_SEARCHED):
-        if frame is None:
-            return False
-        if frame.f_code is _REENTRANT_FORWARD:
-            return True
-        frame = frame.f_back
-    return False
 
 
 class FreezeBoundary:
@@ -81,7 +66,7 @@ class FreezeBoundary:
             return
         if torch.is_grad_enabled():
             self._with_grad = True
-        elif not self._in_checkpoint and _in_reentrant_checkpoint():
+        elif not self._in_checkpoint and in_reentrant_checkpoint():
             self._in_checkpoint = True
 
     def check(self, split: BlockSplit, backward_ran: bool, runs_here: bool) -> None:
@@ -99,9 +84,8 @@ class FreezeBoundary:
                 f"FreezeCallback: block {self.watched}, the first block still training, got no gradient: it ran "
                 f"in a reentrant activation checkpoint (torch.utils.checkpoint with use_reentrant=True, its "
                 f"default when use_reentrant is not passed), which gives a block no gradient once its input no "
-                f"longer requires one, as after the blocks before it froze. Pass use_reentrant=False (Hugging "
-                f"Face: gradient_checkpointing_enable(gradient_checkpointing_kwargs={{'use_reentrant': False}})), "
-                f"or make the blocks' input require a gradient (Hugging Face: model.enable_input_require_grads())."
+                f"longer requires one, as after the blocks before it froze. {REENTRANT_FIX}, or make the "
+                f"blocks' input require a gradient (Hugging Face: model.enable_input_require_grads())."
             )
 
 

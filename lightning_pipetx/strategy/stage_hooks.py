@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_pipetx.checkpointing import REENTRANT_FIX, in_reentrant_checkpoint
+from lightning_pipetx.strategy.model_checks import UnsupportedRecipeError
 from lightning_pipetx.strategy.p2p import Activation, BoundaryError
 
 
@@ -129,8 +131,23 @@ class StageHooks:
         if index == self.capture_at:
             self._capture(output)
         if index == self.end - 1 and not self.is_last_stage:
+            self._refuse_reentrant_exit(index)
             raise StageExit(Activation.of_output(output))
         return output
+
+    def _refuse_reentrant_exit(self, index: int) -> None:
+        """A stage whose last block ran in a reentrant checkpoint hands on an output that needs no
+        gradient: the next stage sends none back, and this stage's weights would never train."""
+        training = self.calls is not None and self.calls.refuse_repeats
+        if not training or torch.is_grad_enabled() or not in_reentrant_checkpoint():
+            return
+        if any(p.requires_grad for i in range(self.start, self.end) for p in self.blocks[i].parameters()):
+            raise UnsupportedRecipeError(
+                f"block {index}, the last block of a pipeline stage, ran inside a reentrant activation checkpoint "
+                f"(torch.utils.checkpoint with use_reentrant=True, its default when use_reentrant is not passed): "
+                f"its output, which crosses to the next stage, requires no gradient, and the blocks of this stage "
+                f"and the stages before it would never train. {REENTRANT_FIX}, or pass pipeline_length=1."
+            )
 
     def _count(self, index: int, calls: BlockCalls) -> None:
         """Before block ``index`` runs: a second run of a block in one micro-batch's step is refused

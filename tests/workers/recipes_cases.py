@@ -6,7 +6,8 @@ import lightning.pytorch as pl
 import torch
 from equivalence_cases import build_case_module
 from lightning.pytorch.plugins import MixedPrecision
-from tiny_models import HIDDEN, NUM_LABELS, TASKS, VOCAB, make_trainer
+from tiny_models import HIDDEN, NUM_LABELS, TASKS, VOCAB, TinySequentialRegressor, make_trainer
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler
 from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC
@@ -65,6 +66,18 @@ def timm_checkpointing_module() -> pl.LightningModule:
     module = build_case_module({"model": "timm_vit", "lr": 1e-3})
     module.model.set_grad_checkpointing(True)
     return module
+
+
+class ReentrantCheckpointing(TinySequentialRegressor):
+    """A model whose own loop checkpoints each block's call with torch's reentrant checkpoint (as
+    Hugging Face 4.x's encoders do with ``use_reentrant=True``): the segment encloses the block's
+    forward, and so the stage hooks on it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.embed(x)
+        for block in self.model.blocks:
+            hidden = checkpoint(block, hidden, use_reentrant=True)
+        return self.model.head(self.model.norm(hidden))
 
 
 class _InfOnce:

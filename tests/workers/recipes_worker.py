@@ -1,7 +1,7 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
 rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | two_calls) [resume CKPT]
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls) [resume CKPT]
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do) and
 "own_sampler" turns Lightning's distributed sampler off: both give the two stages different
@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.model_summary import summarize
 from recipes_cases import (
     GLOBAL_BATCH,
     STEPS,
+    ReentrantCheckpointing,
     albert_module,
     epoch_metrics_module,
     fp16_module,
@@ -117,6 +118,7 @@ def main() -> None:
         "albert": albert_module,
         "shared_list": shared_list_module,
         "timm_checkpointing": timm_checkpointing_module,
+        "reentrant": lambda: ReentrantCheckpointing(seed=0, dropout=0.0),
         "two_calls": two_calls_module,
     }.get(mode, hook_counting_module)()
     if mode == "layerdrop":  # as Wav2Vec2's and HuBERT's configs have by default
@@ -133,7 +135,9 @@ def main() -> None:
     # The refused outputs are refused on the first stage only (the last one waits for its hidden
     # state): the ranks agree on the failure within a third of this timeout.
     timeout = timedelta(
-        seconds=30 if mode in ("hidden_states", "intermediates", "timm_checkpointing", "two_calls") else 1800
+        seconds=30
+        if mode in ("hidden_states", "intermediates", "timm_checkpointing", "reentrant", "two_calls")
+        else 1800
     )
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -156,7 +160,8 @@ def main() -> None:
     )
     # the loader's batch is per replica, as under DDP: the global batch is GLOBAL_BATCH on either layout
     batch = GLOBAL_BATCH // 2 if length == 1 else GLOBAL_BATCH
-    loader = train_loader(batch, task="timm_vit" if mode in ("intermediates", "timm_checkpointing") else "bert")
+    task = {"intermediates": "timm_vit", "timm_checkpointing": "timm_vit", "reentrant": "sequential"}.get(mode, "bert")
+    loader = train_loader(batch, task=task)
     if mode == "scheduled_uneven":  # 39 samples: 4 global batches of 8 an epoch, 7 samples dropped
         loader = train_loader(batch, size=39, drop_last=True)
     if mode == "scheduled_uneven_sampler":  # the same, through a sampler of the user's (Lightning wraps it)
