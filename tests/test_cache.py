@@ -1,6 +1,7 @@
 """AutoCache on one device: exact, hits once warm, incremental, guarded, and bounded in RAM."""
 
 import errno
+import json
 import os
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import tiny_models as tm
 import torch
+from distributed import run_workers
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -304,6 +306,17 @@ def pad_to_longest(samples):
     batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
     length = int(batch["attention_mask"].sum(1).max())
     return {k: (v[:, :length] if v.dim() == 2 else v) for k, v in batch.items()}
+
+
+def test_a_resume_that_moves_to_another_layout_keeps_the_cache(tmp_path):
+    # The resumed fit moves 2x1 -> 1x2 before its first step: Lightning builds the training loader
+    # again, which is the recorded loader reloaded, not a second loader (cache=True refused it).
+    run_workers("resume_cache_worker.py", 2, str(tmp_path / "full"), timeout=300)
+    run_workers("resume_cache_worker.py", 2, str(tmp_path / "resumed"), str(tmp_path / "full" / "epoch=1.ckpt"))
+    full = json.loads((tmp_path / "full" / "report.json").read_text())
+    resumed = json.loads((tmp_path / "resumed" / "report.json").read_text())
+    # The cache is not checkpointed: the resumed fit compares the inputs (epoch 2), fills (3), serves (4).
+    assert full["4"] == 1.0 and resumed == {"2": 0.0, "3": 0.0, "4": 1.0}
 
 
 def test_dynamic_padding_is_refused_with_a_clear_message(tmp_path, caplog):

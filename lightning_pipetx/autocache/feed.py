@@ -121,6 +121,12 @@ class CacheFeed:
         resized = _resized("training", cached_samples, dataset)
         return None if resized is None else resized + "."
 
+    def loaders_reloaded(self) -> None:
+        """The loaders built so far are to be built again (a transition): the next build is a
+        reload of the recorded loader, not a second loader, even before a training step ran (a
+        transition at the start of a resumed fit)."""
+        self._built.clear()
+
     def training_keys(self) -> Keys:
         """The dataset indices of this training batch and of the next one (None: not recorded)."""
         self._built.clear()

@@ -378,6 +378,7 @@ class ElasticPipelineStrategy(DDPStrategy):
             self.global_rank,
             self.root_device,
         )
+        self._cache_feed.loaders_reloaded()
         self.last_transition = done
         self._transition_seconds = done.seconds
         if trainer.training:  # the epoch's logged values are reduced after this, until the next epoch starts

@@ -1,0 +1,46 @@
+"""AutoCache after a resume that moves to another layout: 2 processes, 2x1 -> 1x2 as blocks freeze, 5 epochs,
+a checkpoint after every epoch; resumed from one, FreezeCallback re-applies the frozen prefix at
+the start of fit and the strategy moves to 1x2 before the first step.
+
+Usage: torchrun --nproc_per_node=2 resume_cache_worker.py OUT_DIR [CKPT]
+Rank 0 writes OUT_DIR/report.json: the training cache's hit rate logged each epoch (None: not logged).
+"""
+
+import json
+import os
+import sys
+
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from tiny_models import RandomVectorDataset, TinySequentialRegressor, make_trainer
+from torch.utils.data import DataLoader
+from worker_exit import run_worker
+
+from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
+
+
+class HitRates(Callback):
+    def __init__(self):
+        self.rates = {}
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        rate = trainer.callback_metrics.get("pipetx/cache_hit_rate")
+        self.rates[trainer.current_epoch] = None if rate is None else float(rate)
+
+
+def main() -> None:
+    out_dir, ckpt = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
+    rates = HitRates()
+    checkpoints = ModelCheckpoint(dirpath=out_dir, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+    strategy = ElasticPipelineStrategy(pipeline_length=2, num_microbatches=2, profile_steps=0, cache=True)
+    callbacks = [FreezeCallback(alpha=0.5, signal="schedule"), rates, checkpoints]
+    trainer = make_trainer(callbacks, max_epochs=5, devices=2, strategy=strategy, enable_checkpointing=True)
+    loader = DataLoader(RandomVectorDataset(size=32, seed=1), batch_size=8, shuffle=True)
+    trainer.fit(TinySequentialRegressor(seed=0, dropout=0.0), loader, ckpt_path=ckpt)
+    if dist.get_rank() == 0:
+        with open(os.path.join(out_dir, "report.json"), "w") as handle:
+            json.dump(rates.rates, handle)
+
+
+if __name__ == "__main__":
+    run_worker(main)
