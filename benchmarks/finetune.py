@@ -25,8 +25,13 @@ accuracy and test accuracy (``--seeds`` vary the initialisation and the shuffle;
 ``--split-seed`` the movies in each split), the ideal speed-up of the freeze schedule by the
 block-count model of :func:`ideal_speedup` (not a ceiling) beside the measured one; writes
 JSON and a PNG of validation accuracy against wall time.
+On CPU ElasticPipelineStrategy (``pipe``, ``full``) keeps host memory freed by a step for the
+next (``reuse_host_memory``, a process-wide ``malloc`` setting); the baselines (``plain`` and the
+``ddp`` configurations) run with ``malloc`` as users' runs do, unless
+``--baselines-keep-freed-memory`` gives their processes the same setting. Every configuration
+runs in processes of its own, so the setting of one never reaches another.
 Usage: python benchmarks/finetune.py [--small | --full] [--nprocs 2] [--seeds 0,1] [--accelerator cpu]
-[--pretrained auto | MODEL_DIR]
+[--pretrained auto | MODEL_DIR] [--baselines-keep-freed-memory]
 (``make demo`` runs ``ddp`` and ``full`` on a smaller subset, the full system starting as a 2-stage pipeline.)
 """
 
@@ -43,8 +48,10 @@ from pathlib import Path
 
 from _launch import in_turn, launch
 from freeze_diagnostics import DIAGNOSTICS, gradient_drop
+from pipeline_static import add_keep_freed_memory_option, keep_freed_memory_if_asked
 
 CONFIGS = ("plain", "ddp", "pipe", "full", "ddp_reseeded", *DIAGNOSTICS)
+OURS = ("pipe", "full")  # under ElasticPipelineStrategy; the others are the baselines
 DEFAULT_CONFIGS = CONFIGS[:4]
 FUSED = {"auto": None, "on": True, "off": False}  # AdamW's fused kernel; auto: on a GPU (the example's default)
 # Both sizes train 6 epochs (the issue's GPU measurement did): freezing pays in the epochs after
@@ -64,6 +71,8 @@ def worker(args: argparse.Namespace) -> None:
 
     config = args.worker
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if config not in OURS:
+        keep_freed_memory_if_asked(args)
     if config == "plain" and args.accelerator == "cpu":
         torch.set_num_threads(args.nprocs)  # one device: every core the other runs share
     pl.seed_everything(args.seed)
@@ -394,6 +403,7 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--pipeline-length", default="auto", help="the full system's first pipeline length")
     parser.add_argument("--report", default=None, help="folder for the full system's per-epoch report")
+    add_keep_freed_memory_option(parser, "plain and the ddp configurations")
     parser.add_argument("--out", default="results/finetune.json")
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -419,6 +429,8 @@ def main() -> None:
             runs.setdefault(config, []).append(launch(__file__, config, nprocs, argv, tmp)[0])
 
     table = summarize(runs)
+    kept = "yes" if args.baselines_keep_freed_memory else "no (malloc's default)"
+    print(f"\nbaselines keep freed host memory (--baselines-keep-freed-memory): {kept}")
     print(
         f"\n{'config':<12} {'wall s':>8} {'vs ddp':>7} {'vs plain':>9} {'ideal':>6} {'to ddp acc s':>13} "
         f"{'final acc':>9} {'best acc':>9} {'test acc':>9}  frozen / layout per epoch"
