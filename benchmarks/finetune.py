@@ -317,7 +317,12 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
     return table
 
 
-def plot(runs: dict[str, list[dict]], path: Path) -> None:
+def model_name(pretrained: str) -> str:
+    """The fine-tuned model's name: all-MiniLM-L6-v2 for ``auto``, else its directory's name."""
+    return "all-MiniLM-L6-v2" if pretrained == "auto" else Path(pretrained).resolve().name
+
+
+def plot(runs: dict[str, list[dict]], path: Path, model: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -332,7 +337,7 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
                     label=config if i == 0 else None)  # fmt: skip
     ax.set_xlabel("wall time since fit started (s)")
     ax.set_ylabel("validation accuracy")
-    ax.set_title("MiniLM on Rotten Tomatoes: accuracy against wall time")
+    ax.set_title(f"{model} on Rotten Tomatoes: accuracy against wall time")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -456,9 +461,16 @@ def main() -> None:
         print(f"{config:<12} " + "  ".join(_phase_line(epoch, seeds_) for epoch in range(len(seeds_[0]["epochs"]))))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    summary = {"command": " ".join([sys.executable, *sys.argv]), "settings": vars(args), "table": table, "runs": runs}
+    model = model_name(args.pretrained)
+    summary = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "model": model,
+        "settings": vars(args),
+        "table": table,
+        "runs": runs,
+    }
     out.write_text(json.dumps(summary, indent=2, default=str))
-    plot(runs, out.with_suffix(".png"))
+    plot(runs, out.with_suffix(".png"), model)
     print(f"written to {out} and {out.with_suffix('.png')}")
 
 
