@@ -241,6 +241,7 @@ def worker(args: argparse.Namespace) -> None:
     if trainer.is_global_zero:
         blocks = len(find_blocks(model).blocks)
         result = {
+            "seed": args.seed,
             "wall_seconds": wall,
             "epochs": curve.points,
             "test_acc": test_acc,
@@ -462,10 +463,12 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     model = model_name(args.pretrained)
+    # --seed is the worker's, one of --seeds: the settings hold the seeds run instead.
+    settings = {k: v for k, v in vars(args).items() if k not in ("seed", "worker", "result_dir")}
     summary = {
         "command": " ".join([sys.executable, *sys.argv]),
         "model": model,
-        "settings": vars(args),
+        "settings": {**settings, "seeds": seeds},
         "table": table,
         "runs": runs,
     }
