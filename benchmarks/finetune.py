@@ -265,12 +265,13 @@ def _served(trainer) -> float | None:
 
 
 def ideal_speedup(frozen_per_epoch: list[int], blocks: int, frozen_cost: float = 1 / 3, cache: bool = True) -> float:
-    """The block-count model of a schedule's speed-up: epochs of a plain run over the same epochs
-    with the blocks the run froze, where a frozen block costs ``frozen_cost`` of a trained one
-    (forward only), and with ``cache`` a cached one nothing after the epoch that fills its cache.
-    The embeddings, head, optimizer and validation count at full cost throughout, so this is not
-    a ceiling: freezing block 0 freezes the embeddings too (their update and gradient go), and a
-    measured speed-up can exceed it."""
+    """The block-count model of a schedule's speed-up: the epochs' cost unfrozen over their cost
+    with the blocks the run froze, counted in blocks alone: a trained block costs 1, a frozen one
+    ``frozen_cost`` (forward only), and with ``cache`` a cached one nothing after the epoch that
+    fills its cache. Nothing else is counted: the embeddings, head, optimizer and validation are
+    left out, as if they cost nothing. So it is not a ceiling: it misses what freezing saves
+    outside the blocks (freezing block 0 freezes the embeddings too: their update and gradient
+    go), and a measured speed-up can exceed it."""
     cost, cached = 0.0, 0
     for frozen in frozen_per_epoch:
         cost += (blocks - frozen + frozen_cost * (frozen - cached)) / blocks
