@@ -53,7 +53,9 @@ def worker(args: argparse.Namespace) -> None:
         callbacks.append(FreezeCallback(alpha=args.alpha))
 
     class EpochClock(Callback):
-        """Training time (validation excluded), samples and layout of every epoch."""
+        """Training time (validation excluded), samples and layout of every epoch. The layout,
+        replica count and frozen blocks are read as the epoch starts: a freeze at its end has
+        already moved to the next layout when this callback's on_train_epoch_end runs."""
 
         def __init__(self) -> None:
             self.epochs: list[dict] = []
@@ -61,6 +63,9 @@ def worker(args: argparse.Namespace) -> None:
         def on_train_epoch_start(self, trainer, pl_module):
             self._start, self._samples = time.perf_counter(), 0
             self._frozen = callbacks[0].frozen_blocks if callbacks else 0
+            self._replicas = trainer.strategy.distributed_sampler_kwargs["num_replicas"]
+            layout = getattr(trainer.strategy, "layout", None)
+            self._layout = str(layout) if layout is not None else f"1x{trainer.world_size}"
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self._samples += batch[0].shape[0]
@@ -74,18 +79,15 @@ def worker(args: argparse.Namespace) -> None:
 
         def on_train_epoch_end(self, trainer, pl_module):
             seconds = time.perf_counter() - self._start
-            layout = getattr(trainer.strategy, "layout", None)
             record = {
                 "seconds": seconds,
-                "samples_per_sec": self._samples * _replicas(trainer) / seconds,
+                "samples": self._samples * self._replicas,
+                "samples_per_sec": self._samples * self._replicas / seconds,
                 "val_acc": float(trainer.callback_metrics.get("val_acc", float("nan"))),
                 "frozen": self._frozen,
-                "layout": str(layout) if layout is not None else f"1x{trainer.world_size}",
+                "layout": self._layout,
             }
             self.epochs.append(record)
-
-    def _replicas(trainer) -> int:
-        return trainer.strategy.distributed_sampler_kwargs["num_replicas"]
 
     clock = EpochClock()
     trainer = pl.Trainer(

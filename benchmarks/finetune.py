@@ -25,8 +25,13 @@ accuracy and test accuracy (``--seeds`` vary the initialisation and the shuffle;
 ``--split-seed`` the movies in each split), the ideal speed-up of the freeze schedule by the
 block-count model of :func:`ideal_speedup` (not a ceiling) beside the measured one; writes
 JSON and a PNG of validation accuracy against wall time.
+On CPU ElasticPipelineStrategy (``pipe``, ``full``) keeps host memory freed by a step for the
+next (``reuse_host_memory``, a process-wide ``malloc`` setting); the baselines (``plain`` and the
+``ddp`` configurations) run with ``malloc`` as users' runs do, unless
+``--baselines-keep-freed-memory`` gives their processes the same setting. Every configuration
+runs in processes of its own, so the setting of one never reaches another.
 Usage: python benchmarks/finetune.py [--small | --full] [--nprocs 2] [--seeds 0,1] [--accelerator cpu]
-[--pretrained auto | MODEL_DIR]
+[--pretrained auto | MODEL_DIR] [--baselines-keep-freed-memory]
 (``make demo`` runs ``ddp`` and ``full`` on a smaller subset, the full system starting as a 2-stage pipeline.)
 """
 
@@ -43,8 +48,10 @@ from pathlib import Path
 
 from _launch import in_turn, launch
 from freeze_diagnostics import DIAGNOSTICS, gradient_drop
+from pipeline_static import add_keep_freed_memory_option, keep_freed_memory_if_asked
 
 CONFIGS = ("plain", "ddp", "pipe", "full", "ddp_reseeded", *DIAGNOSTICS)
+OURS = ("pipe", "full")  # under ElasticPipelineStrategy; the others are the baselines
 DEFAULT_CONFIGS = CONFIGS[:4]
 FUSED = {"auto": None, "on": True, "off": False}  # AdamW's fused kernel; auto: on a GPU (the example's default)
 # Both sizes train 6 epochs (the issue's GPU measurement did): freezing pays in the epochs after
@@ -64,6 +71,8 @@ def worker(args: argparse.Namespace) -> None:
 
     config = args.worker
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if config not in OURS:
+        keep_freed_memory_if_asked(args)
     if config == "plain" and args.accelerator == "cpu":
         torch.set_num_threads(args.nprocs)  # one device: every core the other runs share
     pl.seed_everything(args.seed)
@@ -232,6 +241,7 @@ def worker(args: argparse.Namespace) -> None:
     if trainer.is_global_zero:
         blocks = len(find_blocks(model).blocks)
         result = {
+            "seed": args.seed,
             "wall_seconds": wall,
             "epochs": curve.points,
             "test_acc": test_acc,
@@ -255,12 +265,13 @@ def _served(trainer) -> float | None:
 
 
 def ideal_speedup(frozen_per_epoch: list[int], blocks: int, frozen_cost: float = 1 / 3, cache: bool = True) -> float:
-    """The block-count model of a schedule's speed-up: epochs of a plain run over the same epochs
-    with the blocks the run froze, where a frozen block costs ``frozen_cost`` of a trained one
-    (forward only), and with ``cache`` a cached one nothing after the epoch that fills its cache.
-    The embeddings, head, optimizer and validation count at full cost throughout, so this is not
-    a ceiling: freezing block 0 freezes the embeddings too (their update and gradient go), and a
-    measured speed-up can exceed it."""
+    """The block-count model of a schedule's speed-up: the epochs' cost unfrozen over their cost
+    with the blocks the run froze, counted in blocks alone: a trained block costs 1, a frozen one
+    ``frozen_cost`` (forward only), and with ``cache`` a cached one nothing after the epoch that
+    fills its cache. Nothing else is counted: the embeddings, head, optimizer and validation are
+    left out, as if they cost nothing. So it is not a ceiling: it misses what freezing saves
+    outside the blocks (freezing block 0 freezes the embeddings too: their update and gradient
+    go), and a measured speed-up can exceed it."""
     cost, cached = 0.0, 0
     for frozen in frozen_per_epoch:
         cost += (blocks - frozen + frozen_cost * (frozen - cached)) / blocks
@@ -308,7 +319,12 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
     return table
 
 
-def plot(runs: dict[str, list[dict]], path: Path) -> None:
+def model_name(pretrained: str) -> str:
+    """The fine-tuned model's name: all-MiniLM-L6-v2 for ``auto``, else its directory's name."""
+    return "all-MiniLM-L6-v2" if pretrained == "auto" else Path(pretrained).resolve().name
+
+
+def plot(runs: dict[str, list[dict]], path: Path, model: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -323,7 +339,7 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
                     label=config if i == 0 else None)  # fmt: skip
     ax.set_xlabel("wall time since fit started (s)")
     ax.set_ylabel("validation accuracy")
-    ax.set_title("MiniLM on Rotten Tomatoes: accuracy against wall time")
+    ax.set_title(f"{model} on Rotten Tomatoes: accuracy against wall time")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -394,6 +410,7 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--pipeline-length", default="auto", help="the full system's first pipeline length")
     parser.add_argument("--report", default=None, help="folder for the full system's per-epoch report")
+    add_keep_freed_memory_option(parser, "plain and the ddp configurations")
     parser.add_argument("--out", default="results/finetune.json")
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -419,6 +436,8 @@ def main() -> None:
             runs.setdefault(config, []).append(launch(__file__, config, nprocs, argv, tmp)[0])
 
     table = summarize(runs)
+    kept = "yes" if args.baselines_keep_freed_memory else "no (malloc's default)"
+    print(f"\nbaselines keep freed host memory (--baselines-keep-freed-memory): {kept}")
     print(
         f"\n{'config':<12} {'wall s':>8} {'vs ddp':>7} {'vs plain':>9} {'ideal':>6} {'to ddp acc s':>13} "
         f"{'final acc':>9} {'best acc':>9} {'test acc':>9}  frozen / layout per epoch"
@@ -444,9 +463,18 @@ def main() -> None:
         print(f"{config:<12} " + "  ".join(_phase_line(epoch, seeds_) for epoch in range(len(seeds_[0]["epochs"]))))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    summary = {"command": " ".join([sys.executable, *sys.argv]), "settings": vars(args), "table": table, "runs": runs}
+    model = model_name(args.pretrained)
+    # --seed is the worker's, one of --seeds: the settings hold the seeds run instead.
+    settings = {k: v for k, v in vars(args).items() if k not in ("seed", "worker", "result_dir")}
+    summary = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "model": model,
+        "settings": {**settings, "seeds": seeds},
+        "table": table,
+        "runs": runs,
+    }
     out.write_text(json.dumps(summary, indent=2, default=str))
-    plot(runs, out.with_suffix(".png"))
+    plot(runs, out.with_suffix(".png"), model)
     print(f"written to {out} and {out.with_suffix('.png')}")
 
 

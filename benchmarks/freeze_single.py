@@ -8,7 +8,13 @@ wall time (validation excluded: it costs the same in all runs), the ratios to th
 run, the cache hit rate, and the final validation accuracies. A few throw-away batches
 run first so that neither run pays the one-off start-up costs. Process CPU time is
 reported next to wall time: on a shared CPU machine it is the steadier of the two. Speed is
-measured, never asserted. Example::
+measured, never asserted.
+
+The runs share one process. On CPU ElasticPipelineStrategy keeps host memory freed by a step
+for the next (``reuse_host_memory``), process-wide and for the rest of the process's life: the
+``frozen_cached`` run, which runs last, sets it; the warm-up, ``unfrozen`` and ``frozen`` runs
+before it use ``malloc`` as users' runs do, unless ``--baselines-keep-freed-memory`` gives
+them the same setting (applied before the warm-up). Example::
 
     OMP_NUM_THREADS=1 python benchmarks/freeze_single.py --epochs 6 --data digits --device cpu
     python benchmarks/freeze_single.py --device cuda --data synthetic --depth 12 --embed-dim 384 --num-heads 6
@@ -42,6 +48,7 @@ import torch  # noqa: E402
 from _launch import write_json  # noqa: E402
 from finetune import ideal_speedup  # noqa: E402
 from image_classification import ImageClassifier, ImageDataModule  # noqa: E402
+from pipeline_static import add_keep_freed_memory_option, keep_freed_memory_if_asked  # noqa: E402
 from text_classification import SentimentDataModule, TextClassifier  # noqa: E402
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback  # noqa: E402
@@ -107,6 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--alpha", type=float, default=1 / 3, help="FreezeCallback's alpha")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup-batches", type=int, default=5, help="throw-away batches before timing")
+    add_keep_freed_memory_option(parser, "the warm-up, unfrozen and frozen runs")
     parser.add_argument("--out", default="results/freeze_single.json", help="JSON file for the figures")
     return parser.parse_args(argv)
 
@@ -200,10 +208,11 @@ def run(args: argparse.Namespace, name: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    keep_freed_memory_if_asked(args)
     warm_up(args)
     unfrozen = run(args, "unfrozen")
     frozen = run(args, "frozen")
-    cached = run(args, "frozen_cached")
+    cached = run(args, "frozen_cached")  # last: its strategy keeps freed host memory from here on (CPU)
     cached_ratios = [c / u for c, u in zip(cached["train_seconds"], unfrozen["train_seconds"])]
     # Epochs with at least half the blocks frozen whose cache was warm (every lookup a hit).
     warm = [
@@ -244,6 +253,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "train_cpu_time_ratio_total": cpu_total_ratio,
     }
 
+    kept = "yes" if args.baselines_keep_freed_memory else "no (malloc's default)"
+    print(f"\nunfrozen and frozen runs keep freed host memory (--baselines-keep-freed-memory): {kept}")
     print("\ntraining time per epoch (validation excluded), frozen / unfrozen")
     print("epoch  frozen  unfrozen s  frozen s  ratio  | unfrozen cpu s  frozen cpu s  cpu ratio")
     rows = zip(

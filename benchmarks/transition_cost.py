@@ -6,7 +6,7 @@ AdamW, then ``FreezeCallback(signal="schedule", alpha=1/2)`` freezes 6 blocks an
 AutoDP move to the layout it picks. Prints, per rank, the transition's seconds and the bytes
 it received (weights, AdamW moments, buffers), and the transition against an epoch of the real
 fine-tune (``--epoch-seconds``, or read from ``benchmarks/finetune.py``'s JSON); writes JSON.
-Usage: python benchmarks/transition_cost.py [--nprocs 2] [--finetune-json results/finetune_small.json]
+Usage: python benchmarks/transition_cost.py [--nprocs 2] [--epoch-seconds S | --finetune-json results/finetune.json]
 """
 
 from __future__ import annotations
@@ -101,7 +101,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="training steps per epoch")
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--epoch-seconds", type=float, default=None, help="an epoch of the real fine-tune")
-    parser.add_argument("--finetune-json", default="results/finetune_small.json")
+    parser.add_argument(
+        "--finetune-json", default="results/finetune.json", help="benchmarks/finetune.py's JSON (its default --out)"
+    )
     parser.add_argument("--out", default="results/transition_cost.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result-dir", help=argparse.SUPPRESS)
@@ -129,6 +131,12 @@ def main() -> None:
         summary["finetune_epoch_seconds"] = epoch
         summary["fraction_of_epoch"] = seconds / epoch
         print(f"transition {seconds:.2f} s = {seconds / epoch:.1%} of a {epoch:.1f} s fine-tune epoch (target < 2%)")
+    else:
+        found = "has no ddp run" if Path(args.finetune_json).is_file() else "does not exist"
+        print(
+            f"no share of a fine-tune epoch: {args.finetune_json} {found} "
+            "(run benchmarks/finetune.py first, or pass --epoch-seconds)"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2, default=str))

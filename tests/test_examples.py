@@ -138,7 +138,7 @@ def test_demo_config_parses(runs):
         "lightning_pipetx.callbacks.report.EpochReport",
     ]
     assert callbacks[0]["init_args"]["alpha"] == pytest.approx(1 / 3)
-    assert callbacks[1]["init_args"]["output_dir"] == "results/demo"
+    assert callbacks[1]["init_args"]["output_dir"] == "results/demo_vit"
     assert config["trainer"]["max_epochs"] == 6
     assert config["model"]["depth"] == 6
     assert config["data"]["data"] == "digits"
