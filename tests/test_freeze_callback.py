@@ -914,6 +914,28 @@ def test_resume_from_a_checkpoint_written_before_the_decision(tmp_path):
         assert torch.equal(value, probe_b.final_params[name]), name
 
 
+@pytest.mark.parametrize("signal", ["grad_norm", "schedule"])
+def test_resume_from_a_checkpoint_of_an_epochs_last_batch_takes_that_epochs_decision(tmp_path, signal):
+    """ModelCheckpoint(every_n_train_steps=4) with 4 batches an epoch saves after each epoch's last
+    batch; resumed from one, Lightning goes on with the next epoch without the finished one's end
+    (nor the next one's start)."""
+
+    def fit(folder, ckpt_path=None):
+        fc = FreezeCallback(alpha=1 / 3, signal=signal)
+        probe = EpochProbe(fc)
+        saver = ModelCheckpoint(dirpath=folder, save_top_k=-1, every_n_train_steps=4, filename="{epoch}-{step}")
+        trainer = make_trainer([fc, probe, saver], max_epochs=4, enable_checkpointing=True)
+        trainer.fit(seq_module(dropout=0.0, block_scales=[1.0, 1e-3, 1.0, 1.0]), seq_loader(), ckpt_path=ckpt_path)
+        return fc, probe
+
+    fc_a, probe_a = fit(tmp_path / "a")
+    fc_b, probe_b = fit(tmp_path / "b", str(tmp_path / "a" / "epoch=1-step=8.ckpt"))
+    assert probe_a.frozen_at_start[3:] == probe_b.frozen_at_start  # epoch 3's
+    assert fc_b.frozen_blocks == fc_a.frozen_blocks and fc_b.decisions == fc_a.decisions == 4  # epoch 1's taken
+    for name, value in probe_a.final_params.items():
+        assert torch.equal(value, probe_b.final_params[name]), name
+
+
 # -------------------------------------------------------------------- Lightning's DDP
 DDP_SCRIPT = textwrap.dedent(
     """

@@ -122,6 +122,7 @@ class FreezeCallback(Callback):
         self._epoch_seconds = 0.0
         self._last_tick = 0.0
         self._observed: float | None = None  # the guard's metric at the last validation since the epoch's end
+        self._epochs_ended: int | None = None  # the last epoch whose end this fit saw, or its checkpoint did
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -143,6 +144,7 @@ class FreezeCallback(Callback):
         return self._post_weights
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._epochs_ended = None  # before a checkpoint's state is loaded
         strategy = trainer.strategy
         if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
             raise ValueError(
@@ -202,9 +204,22 @@ class FreezeCallback(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_tick = time.perf_counter()  # a run resumed mid-epoch skips on_train_epoch_start
+        self._decide_skipped_epoch(trainer)
         # Re-applies a frozen prefix restored from a checkpoint (ckpt_path=...).
         if self.frozen_blocks:
             self._apply(trainer)
+
+    def _decide_skipped_epoch(self, trainer: pl.Trainer) -> None:
+        """Resumed from a checkpoint of an epoch's last batch (``ModelCheckpoint(every_n_train_steps=...)``),
+        Lightning starts the next epoch without that epoch's end: take its decision here, from the
+        gradient norms the checkpoint holds, as the uninterrupted run took it at the epoch's end."""
+        finished = trainer.current_epoch - 1
+        if self._epochs_ended is None or self._epochs_ended >= finished:
+            return
+        self._epochs_ended = finished
+        stopped = self.guard is not None and self.guard.stopped
+        if self._decides_after(finished) and not stopped:
+            self._decide(trainer, finished)
 
     # ------------------------------------------------------------------ signal
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -334,9 +349,11 @@ class FreezeCallback(Callback):
         if self.guard is not None and not self.guard.stopped and self._observed is not None:
             self._watch(trainer)
         self._observed = None
+        self._epochs_ended = trainer.current_epoch
         stopped = self.guard is not None and self.guard.stopped
-        if self._decides_after(trainer.current_epoch) and not stopped and ran_every_batch(trainer):
-            self._decide(trainer)
+        decides = self._decides_after(trainer.current_epoch) and not stopped and ran_every_batch(trainer)
+        if decides and self._decide(trainer, trainer.current_epoch):
+            self._apply(trainer)
 
     def _decides_after(self, epoch: int) -> bool:
         trained = epoch + 1 - self.warmup_epochs
@@ -365,12 +382,13 @@ class FreezeCallback(Callback):
     def _mean_observed(self) -> float:
         return float(all_reduce_mean(torch.tensor([self._observed]))[0])
 
-    def _decide(self, trainer: pl.Trainer) -> None:
+    def _decide(self, trainer: pl.Trainer, epoch: int) -> bool:
+        """The rule's decision after ``epoch``; whether the prefix grew (not applied yet)."""
         grad_norms = None
         if self._measures_gradients():
             sums, steps = self._norms.totals()
             if steps == 0:
-                return  # no gradient was measured since the last decision: no evidence to act on
+                return False  # no gradient was measured since the last decision: no evidence to act on
             grad_norms = (sums / steps).tolist()
         self.decisions += 1
         decision = decide(
@@ -386,7 +404,7 @@ class FreezeCallback(Callback):
         if trainer.is_global_zero:
             log.info(
                 "pipetx: epoch %d: frozen blocks %d -> %d of %d (%s)",
-                trainer.current_epoch,
+                epoch,
                 decision.previous,
                 decision.frozen,
                 self.split.num_blocks,
@@ -394,7 +412,7 @@ class FreezeCallback(Callback):
             )
         if decision.changed:
             self.frozen_blocks = decision.frozen
-            self._apply(trainer)
+        return decision.changed
 
     # ------------------------------------------------------------------ action
     def _apply(self, trainer: pl.Trainer) -> None:
@@ -430,6 +448,7 @@ class FreezeCallback(Callback):
             "pre_weights": self._pre_weights,
             "post_weights": self._post_weights,
             "post_modules": self._post_modules,
+            "epochs_ended": self._epochs_ended,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -439,6 +458,7 @@ class FreezeCallback(Callback):
         self._pre_weights = state_dict.get("pre_weights")
         self._post_weights = state_dict.get("post_weights") or []
         self._post_modules = state_dict.get("post_modules") or []
+        self._epochs_ended = state_dict.get("epochs_ended")  # None in a checkpoint written before it was kept
         self._apply_trace()
         if self.guard is not None and state_dict.get("guard") is not None:
             self.guard.load_state_dict(state_dict["guard"])
