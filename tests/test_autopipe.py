@@ -266,6 +266,26 @@ def test_a_resumed_run_plans_with_the_block_costs_its_checkpoint_measured(tmp_pa
     assert resumed.profiled and resumed.costs == saved
 
 
+def test_a_checkpoint_before_the_first_freeze_keeps_the_costs_measured(tmp_path):
+    # Saved at step 3 of epoch 0 (4 batches an epoch): after the warm-up and 2 profiled steps,
+    # before the first freeze took the profile.
+    def fit(epochs, ckpt_path=None):
+        strategy = ElasticPipelineStrategy(profile_steps=2, cache_dir=str(tmp_path / "cache"))
+        saver = ModelCheckpoint(tmp_path / "checkpoints", save_top_k=-1, every_n_train_steps=3, filename="{step}")
+        freeze = FreezeCallback(alpha=0.5, signal="schedule")
+        trainer = tm.make_trainer([freeze, saver], max_epochs=epochs, strategy=strategy, enable_checkpointing=True)
+        trainer.fit(
+            tm.TinySequentialRegressor(seed=0, dropout=0.0), tm.task_loader("sequential", size=32), ckpt_path=ckpt_path
+        )
+        return strategy.autopipe
+
+    measured = fit(2)
+    saved = torch.load(tmp_path / "checkpoints" / "step=3.ckpt", weights_only=False)["pipetx"]["block_costs"]
+    assert measured.profiled and saved == measured.costs  # before: None, and the resumed run planned by counts
+    resumed = fit(2, str(tmp_path / "checkpoints" / "step=3.ckpt"))
+    assert resumed.profiled and resumed.costs == saved
+
+
 def test_the_strategy_chooses_its_initial_layout_by_memory(tmp_path):
     # The tiny sequential model needs 74,016 bytes on one stage, 37,896 on the larger of two
     # (test_model_memory_counts_weights_gradients_and_adam_moments): 100,000 bytes per device

@@ -355,9 +355,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         if not self.elastic:
             self._frozen = frozen_blocks
             return  # the ablation: blocks freeze in place, the layout stays
-        seconds = self._require_autopipe().take_profile(engine.profiled_block_seconds)
-        if seconds is not None and self.is_global_zero:
-            log.info("pipetx: block costs from profiled forward time: %s", [f"{s:.2e}" for s in seconds])
+        self._take_profile(engine)
         previous, self._frozen = self._frozen, frozen_blocks
         new_plan = self._plan(frozen_blocks)
         if new_plan is None:  # no layout is left for this prefix: it freezes in place, as with elastic=False
@@ -385,6 +383,12 @@ class ElasticPipelineStrategy(DDPStrategy):
             self._metrics.logged_layout = engine.layout
         if self.is_global_zero:
             log.info("pipetx: frozen %d->%d blocks, %s by rank 0", previous, frozen_blocks, done.describe())
+
+    def _take_profile(self, engine: PipelineEngine) -> None:
+        """The profiled forward times become the planner's costs (once; on every rank, a collective)."""
+        seconds = self._require_autopipe().take_profile(engine.profiled_block_seconds)
+        if seconds is not None and self.is_global_zero:
+            log.info("pipetx: block costs from profiled forward time: %s", [f"{s:.2e}" for s in seconds])
 
     def process_dataloader(self, dataloader: Any) -> Any:
         """Keep the global batch constant when the number of replicas changes, and record
@@ -635,6 +639,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         if self._plan_after_run() is not None:  # every rank holds every block
             return self.lightning_module.state_dict()
         engine = self._require_engine()
+        if engine.profiling_done:  # a checkpoint before the first freeze keeps the measured costs for a resume
+            self._take_profile(engine)
         engine.share_updated_params(self.optimizers)
         engine.share_pre_buffers()
         state = self.lightning_module.state_dict()

@@ -260,6 +260,11 @@ class PipelineEngine:
         (``everywhere``: on every rank, a collective)."""
         self.runner.check_batches(everywhere)
 
+    @property
+    def profiling_done(self) -> bool:
+        """Whether the profiled steps have all run (the block timer reads no more)."""
+        return self._steps > self.profile_steps
+
     def profiled_block_seconds(self) -> list[float] | None:
         """Mean forward seconds per block over the profiled steps, agreed by every rank;
         None unless every block was timed."""
