@@ -246,16 +246,20 @@ def test_the_planner_starts_within_its_budget_and_takes_the_profile_once():
     assert plan.bounds == ((0, 2), (2, 4)) and planner.plan(0, 2).bounds == ((0, 3), (3, 4))  # the profiled costs
 
 
+def _profiled_fit(tmp_path, saver, epochs, ckpt_path=None):
+    """A one-device fit timing 2 steps, freezing by schedule, with checkpoints by ``saver``; its planner."""
+    strategy = ElasticPipelineStrategy(profile_steps=2, cache_dir=str(tmp_path / "cache"))
+    freeze = FreezeCallback(alpha=0.5, signal="schedule")
+    trainer = tm.make_trainer([freeze, saver], max_epochs=epochs, strategy=strategy, enable_checkpointing=True)
+    module, data = tm.TinySequentialRegressor(seed=0, dropout=0.0), tm.task_loader("sequential", size=32)
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    return strategy.autopipe
+
+
 def test_a_resumed_run_plans_with_the_block_costs_its_checkpoint_measured(tmp_path):
     def fit(epochs, ckpt_path=None):
-        strategy = ElasticPipelineStrategy(profile_steps=2, cache_dir=str(tmp_path / "cache"))
         saver = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_top_k=-1, filename="{epoch}")
-        freeze = FreezeCallback(alpha=0.5, signal="schedule")
-        trainer = tm.make_trainer([freeze, saver], max_epochs=epochs, strategy=strategy, enable_checkpointing=True)
-        trainer.fit(
-            tm.TinySequentialRegressor(seed=0, dropout=0.0), tm.task_loader("sequential", size=32), ckpt_path=ckpt_path
-        )
-        return strategy.autopipe
+        return _profiled_fit(tmp_path, saver, epochs, ckpt_path)
 
     measured = fit(2)
     assert measured.profiled
@@ -270,14 +274,8 @@ def test_a_checkpoint_before_the_first_freeze_keeps_the_costs_measured(tmp_path)
     # Saved at step 3 of epoch 0 (4 batches an epoch): after the warm-up and 2 profiled steps,
     # before the first freeze took the profile.
     def fit(epochs, ckpt_path=None):
-        strategy = ElasticPipelineStrategy(profile_steps=2, cache_dir=str(tmp_path / "cache"))
         saver = ModelCheckpoint(tmp_path / "checkpoints", save_top_k=-1, every_n_train_steps=3, filename="{step}")
-        freeze = FreezeCallback(alpha=0.5, signal="schedule")
-        trainer = tm.make_trainer([freeze, saver], max_epochs=epochs, strategy=strategy, enable_checkpointing=True)
-        trainer.fit(
-            tm.TinySequentialRegressor(seed=0, dropout=0.0), tm.task_loader("sequential", size=32), ckpt_path=ckpt_path
-        )
-        return strategy.autopipe
+        return _profiled_fit(tmp_path, saver, epochs, ckpt_path)
 
     measured = fit(2)
     saved = torch.load(tmp_path / "checkpoints" / "step=3.ckpt", weights_only=False)["pipetx"]["block_costs"]
