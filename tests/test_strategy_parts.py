@@ -11,9 +11,10 @@ import pytest
 import torch
 from distributed import run_workers
 from tiny_models import build_model, build_task, make_trainer, task_loader
+from torch.utils.data import DataLoader, DistributedSampler
 from transformers import BatchEncoding
 
-from lightning_pipetx import ElasticPipelineStrategy, Layout, find_blocks
+from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback, Layout, find_blocks
 from lightning_pipetx.strategy.autopipe import AutoPipe
 from lightning_pipetx.strategy.log_replay import LogRecorder
 from lightning_pipetx.strategy.metric_sync import LastStageSync
@@ -117,6 +118,49 @@ def test_batches_that_cannot_be_split_raise_a_clear_error():
         split_batch(["just", "strings"], 2)
     with pytest.raises(BatchSplitError, match=r"different first dimensions \[3, 4\]"):
         split_batch((torch.zeros(3), torch.zeros(4)), 2)
+
+
+class _WeightedRegressor(pl.LightningModule):
+    """A batch of ``(x, y, weights)``: ``weights`` per output column (2), not per sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = build_model("sequential", dropout=0.0)
+
+    def training_step(self, batch, batch_idx):
+        x, y, weights = batch
+        loss = ((self.model(x) - y) ** 2 * weights).mean()
+        self.log("train_loss", loss, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _with_column_weights(samples):
+    x, y = torch.utils.data.default_collate(samples)
+    return x, y, torch.tensor([1.0, 2.0])
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_a_batch_with_a_tensor_not_of_the_batch_size_trains_whole_as_under_plain_lightning(cache):
+    def fit(strategy):
+        module, data = _WeightedRegressor(), task_loader("sequential", size=16).dataset
+        # The order Lightning's DistributedSampler gives the strategy's one replica.
+        order = None if strategy else DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+        loader = DataLoader(data, batch_size=4, sampler=order, collate_fn=_with_column_weights)
+        freeze = FreezeCallback(alpha=0.5, signal="schedule")
+        trainer = make_trainer([freeze], max_epochs=4, **({"strategy": strategy} if strategy else {}))
+        trainer.fit(module, loader)
+        return module.state_dict(), trainer.callback_metrics
+
+    plain_state, plain = fit(None)
+    state, metrics = fit(ElasticPipelineStrategy(cache=cache, profile_steps=0))  # one micro-batch: left whole
+    assert float(metrics["train_loss_epoch"]) == pytest.approx(float(plain["train_loss_epoch"]), rel=1e-6)
+    if cache:
+        assert float(metrics["pipetx/cache_hit_rate"]) == 1.0  # the last epoch served from the cache
+    for key, value in plain_state.items():
+        torch.testing.assert_close(state[key], value, msg=key)
 
 
 def test_take_and_chunk_reorder_samples():

@@ -22,7 +22,7 @@ from lightning_pipetx.blocks import BlockSplit
 from lightning_pipetx.strategy.autopipe import Plan
 from lightning_pipetx.strategy.grad_sync import DEFAULT_BUCKET_BYTES, GradientSync
 from lightning_pipetx.strategy.log_replay import LogRecorder, LogShare, replay
-from lightning_pipetx.strategy.microbatch import batch_size, join_outputs, split_batch
+from lightning_pipetx.strategy.microbatch import batch_size, join_outputs, split_batch, whole_batch_size
 from lightning_pipetx.strategy.output_relay import OutputRelay
 from lightning_pipetx.strategy.p2p import Channel
 from lightning_pipetx.strategy.param_store import ParamStore, broadcast_, broadcast_all, gather_block_state
@@ -106,6 +106,8 @@ class PipelineEngine:
 
     # --------------------------------------------------------------- steps
     def _microbatches(self, batch: Any) -> tuple[list[Any], list[int]]:
+        if self.num_microbatches == 1:  # left whole: any batch DDP takes
+            return [batch], [whole_batch_size(batch)]
         microbatches = split_batch(batch, self.num_microbatches)
         return microbatches, [batch_size(mb) for mb in microbatches]
 

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 
 class BatchSplitError(ValueError):
@@ -46,6 +48,15 @@ def batch_size(batch: Any) -> int:
             f"{sorted(sizes)}. Give every tensor the batch size as dim 0, or use num_microbatches=1."
         )
     return sizes.pop()
+
+
+def whole_batch_size(batch: Any) -> int:
+    """The size of a batch left whole, as Lightning infers it for ``self.log`` (its first tensor's
+    dim 0; 1 where it finds none): the tensors need not agree, as under DDP."""
+    try:
+        return extract_batch_size(batch)
+    except MisconfigurationException:
+        return 1
 
 
 def chunk_sizes(size: int, num_chunks: int) -> list[int]:
