@@ -15,11 +15,6 @@ from torch.utils.checkpoint import CheckpointFunction
 _REENTRANT_FORWARD = CheckpointFunction.forward.__code__
 _FRAMES_SEARCHED = 64
 
-REENTRANT_FIX = (
-    "Pass use_reentrant=False (Hugging Face: gradient_checkpointing_enable(gradient_checkpointing_kwargs="
-    "{'use_reentrant': False}))"
-)
-
 
 def in_reentrant_checkpoint() -> bool:
     """Whether the caller runs inside a reentrant checkpoint's forward (its first run, without

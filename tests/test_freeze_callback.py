@@ -914,26 +914,51 @@ def test_resume_from_a_checkpoint_written_before_the_decision(tmp_path):
         assert torch.equal(value, probe_b.final_params[name]), name
 
 
+class _ScoredRegressor(tm.TinySequentialRegressor):
+    """Validates with a fixed ``score``: 1 in epochs 0-1, then 0 (what FreezeCallback's guard watches)."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("score", 1.0 if self.current_epoch < 2 else 0.0)
+
+
+def _fit_saving_every_epoch_end_batch(folder, fc, ckpt_path=None, **options):
+    """4 epochs of 4 batches; ModelCheckpoint(every_n_train_steps=4) saves after each epoch's last batch."""
+    probe = EpochProbe(fc)
+    saver = ModelCheckpoint(dirpath=folder, save_top_k=-1, every_n_train_steps=4, filename="{epoch}-{step}")
+    trainer = make_trainer([fc, probe, saver], max_epochs=4, enable_checkpointing=True, **options)
+    validation = seq_loader(size=4) if options else None
+    module = _ScoredRegressor(seed=0, dropout=0.0, block_scales=[1.0, 1e-3, 1.0, 1.0])
+    trainer.fit(module, seq_loader(), validation, ckpt_path=ckpt_path)
+    return probe
+
+
 @pytest.mark.parametrize("signal", ["grad_norm", "schedule"])
-def test_resume_from_a_checkpoint_of_an_epochs_last_batch_takes_that_epochs_decision(tmp_path, signal):
-    """ModelCheckpoint(every_n_train_steps=4) with 4 batches an epoch saves after each epoch's last
-    batch; resumed from one, Lightning goes on with the next epoch without the finished one's end
-    (nor the next one's start)."""
-
-    def fit(folder, ckpt_path=None):
-        fc = FreezeCallback(alpha=1 / 3, signal=signal)
-        probe = EpochProbe(fc)
-        saver = ModelCheckpoint(dirpath=folder, save_top_k=-1, every_n_train_steps=4, filename="{epoch}-{step}")
-        trainer = make_trainer([fc, probe, saver], max_epochs=4, enable_checkpointing=True)
-        trainer.fit(seq_module(dropout=0.0, block_scales=[1.0, 1e-3, 1.0, 1.0]), seq_loader(), ckpt_path=ckpt_path)
-        return fc, probe
-
-    fc_a, probe_a = fit(tmp_path / "a")
-    fc_b, probe_b = fit(tmp_path / "b", str(tmp_path / "a" / "epoch=1-step=8.ckpt"))
-    assert probe_a.frozen_at_start[3:] == probe_b.frozen_at_start  # epoch 3's
-    assert fc_b.frozen_blocks == fc_a.frozen_blocks and fc_b.decisions == fc_a.decisions == 4  # epoch 1's taken
+@pytest.mark.parametrize("resume_epoch", [0, 1])
+def test_resume_from_a_checkpoint_of_an_epochs_last_batch_takes_that_epochs_decision(tmp_path, signal, resume_epoch):
+    """Resumed from a checkpoint of an epoch's last batch, Lightning goes on with the next epoch
+    without the finished one's end (nor the next one's start)."""
+    fc_a, fc_b = FreezeCallback(alpha=1 / 3, signal=signal), FreezeCallback(alpha=1 / 3, signal=signal)
+    probe_a = _fit_saving_every_epoch_end_batch(tmp_path / "a", fc_a)
+    ckpt = tmp_path / "a" / f"epoch={resume_epoch}-step={4 * (resume_epoch + 1)}.ckpt"
+    probe_b = _fit_saving_every_epoch_end_batch(tmp_path / "b", fc_b, str(ckpt))
+    assert probe_a.frozen_at_start[resume_epoch + 2 :] == probe_b.frozen_at_start
+    assert fc_b.frozen_blocks == fc_a.frozen_blocks and fc_b.decisions == fc_a.decisions == 4  # the skipped one taken
     for name, value in probe_a.final_params.items():
         assert torch.equal(value, probe_b.final_params[name]), name
+
+
+def test_a_resume_past_a_skipped_epoch_end_still_lets_the_guard_judge_that_epochs_validation(tmp_path):
+    # The score falls in epoch 2's mid-epoch validation: the guard stops freezing before epoch 2's
+    # decision. Resumed from epoch 2's last batch, the checkpoint holds that observation.
+    def fit(folder, ckpt_path=None):
+        fc = FreezeCallback(alpha=0.25, monitor="score", mode="max")
+        _fit_saving_every_epoch_end_batch(folder, fc, ckpt_path, val_check_interval=0.5, limit_val_batches=1)
+        return fc
+
+    whole = fit(tmp_path / "a")
+    resumed = fit(tmp_path / "b", str(tmp_path / "a" / "epoch=2-step=12.ckpt"))
+    assert whole.guard.stopped and resumed.guard.stopped
+    assert resumed.frozen_blocks == whole.frozen_blocks == 2
 
 
 # -------------------------------------------------------------------- Lightning's DDP

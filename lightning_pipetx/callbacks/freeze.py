@@ -122,7 +122,7 @@ class FreezeCallback(Callback):
         self._epoch_seconds = 0.0
         self._last_tick = 0.0
         self._observed: float | None = None  # the guard's metric at the last validation since the epoch's end
-        self._epochs_ended: int | None = None  # the last epoch whose end this fit saw, or its checkpoint did
+        self._epochs_ended: int | None = None  # the last epoch whose end this fit saw (None: an older checkpoint's)
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -144,13 +144,14 @@ class FreezeCallback(Callback):
         return self._post_weights
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._epochs_ended = None  # before a checkpoint's state is loaded
+        self._epochs_ended = trainer.current_epoch - 1  # before a checkpoint's state is loaded
         strategy = trainer.strategy
         if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
             raise ValueError(
-                f"FreezeCallback does not support {type(strategy).__name__}: sharded parameters (FSDP, "
-                f"DeepSpeed, ModelParallelStrategy) cannot change requires_grad after wrapping, and their "
-                f"gradient norms are per shard. Use a single device, DDPStrategy or ElasticPipelineStrategy."
+                f"FreezeCallback does not support {type(strategy).__name__}: it runs on a single device, under "
+                f"DDPStrategy or under ElasticPipelineStrategy (strategies that shard parameters, FSDP, DeepSpeed "
+                f"and ModelParallelStrategy, cannot stop a weight training after wrapping, and their gradient "
+                f"norms are per shard). Use one of those."
             )
         try:
             self._split = find_blocks(pl_module, agreed_block_path(self.blocks, trainer.strategy))
@@ -217,6 +218,7 @@ class FreezeCallback(Callback):
         if self._epochs_ended is None or self._epochs_ended >= finished:
             return
         self._epochs_ended = finished
+        self._judge_observed(trainer)  # a validation inside that epoch, saved in the checkpoint
         stopped = self.guard is not None and self.guard.stopped
         if self._decides_after(finished) and not stopped:
             self._decide(trainer, finished)
@@ -346,9 +348,7 @@ class FreezeCallback(Callback):
         if callable(cache_stats):  # ElasticPipelineStrategy's AutoCache; a collective call
             for name, value in cache_stats().items():
                 pl_module.log(f"pipetx/{name}", value, on_step=False, on_epoch=True, sync_dist=True)
-        if self.guard is not None and not self.guard.stopped and self._observed is not None:
-            self._watch(trainer)
-        self._observed = None
+        self._judge_observed(trainer)
         self._epochs_ended = trainer.current_epoch
         stopped = self.guard is not None and self.guard.stopped
         decides = self._decides_after(trainer.current_epoch) and not stopped and ran_every_batch(trainer)
@@ -358,6 +358,12 @@ class FreezeCallback(Callback):
     def _decides_after(self, epoch: int) -> bool:
         trained = epoch + 1 - self.warmup_epochs
         return trained > 0 and trained % self.freeze_interval == 0
+
+    def _judge_observed(self, trainer: pl.Trainer) -> None:
+        """The guard's verdict on the metric observed since the last epoch's end, if any."""
+        if self.guard is not None and not self.guard.stopped and self._observed is not None:
+            self._watch(trainer)
+        self._observed = None
 
     def _watch(self, trainer: pl.Trainer) -> None:
         """The guard: stop freezing, on every rank alike, once the monitored metric degraded. It

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lightning_pipetx.blocks import BlockSplit
-from lightning_pipetx.checkpointing import REENTRANT_FIX, in_reentrant_checkpoint
+from lightning_pipetx.checkpointing import in_reentrant_checkpoint
 
 
 def _keep_eval(module: nn.Module, args: tuple) -> None:
@@ -84,8 +84,9 @@ class FreezeBoundary:
                 f"FreezeCallback: block {self.watched}, the first block still training, got no gradient: it ran "
                 f"in a reentrant activation checkpoint (torch.utils.checkpoint with use_reentrant=True, its "
                 f"default when use_reentrant is not passed), which gives a block no gradient once its input no "
-                f"longer requires one, as after the blocks before it froze. {REENTRANT_FIX}, or make the "
-                f"blocks' input require a gradient (Hugging Face: model.enable_input_require_grads())."
+                f"longer requires one, as after the blocks before it froze. Pass use_reentrant=False (Hugging "
+                f"Face: gradient_checkpointing_enable(gradient_checkpointing_kwargs={{'use_reentrant': False}})), "
+                f"or make the blocks' input require a gradient (Hugging Face: model.enable_input_require_grads())."
             )
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pipetx.checkpointing import REENTRANT_FIX, in_reentrant_checkpoint
+from lightning_pipetx.checkpointing import in_reentrant_checkpoint
 from lightning_pipetx.strategy.model_checks import UnsupportedRecipeError
 from lightning_pipetx.strategy.p2p import Activation, BoundaryError
 
@@ -146,7 +146,9 @@ class StageHooks:
                 f"block {index}, the last block of a pipeline stage, ran inside a reentrant activation checkpoint "
                 f"(torch.utils.checkpoint with use_reentrant=True, its default when use_reentrant is not passed): "
                 f"its output, which crosses to the next stage, requires no gradient, and the blocks of this stage "
-                f"and the stages before it would never train. {REENTRANT_FIX}, or pass pipeline_length=1."
+                f"and the stages before it would never train. A checkpoint taken around a block's call recomputes "
+                f"it where a stage cannot: checkpoint inside each block's forward (torch's checkpoint_wrapper on "
+                f"each block; Hugging Face 5's gradient_checkpointing_enable), or pass pipeline_length=1."
             )
 
     def _count(self, index: int, calls: BlockCalls) -> None:
