@@ -947,6 +947,16 @@ def test_resume_from_a_checkpoint_of_an_epochs_last_batch_takes_that_epochs_deci
         assert torch.equal(value, probe_b.final_params[name]), name
 
 
+def test_a_callback_added_on_resume_takes_no_decision_for_the_epochs_before(tmp_path):
+    saver = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, filename="{epoch}")
+    make_trainer([saver], max_epochs=2, enable_checkpointing=True).fit(seq_module(dropout=0.0), seq_loader())
+    fc = FreezeCallback(alpha=0.5, signal="schedule")
+    probe = EpochProbe(fc)
+    trainer = make_trainer([fc, probe], max_epochs=4)
+    trainer.fit(seq_module(dropout=0.0), seq_loader(), ckpt_path=str(tmp_path / "epoch=1.ckpt"))
+    assert probe.frozen_at_start == [0, 2] and fc.decisions == 2  # decided after epochs 2 and 3 only
+
+
 def test_a_resume_past_a_skipped_epoch_end_still_lets_the_guard_judge_that_epochs_validation(tmp_path):
     # The score falls in epoch 2's mid-epoch validation: the guard stops freezing before epoch 2's
     # decision. Resumed from epoch 2's last batch, the checkpoint holds that observation.

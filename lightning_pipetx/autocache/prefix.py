@@ -34,8 +34,8 @@ class CachedPrefix:
         """Record the batch's inputs; the per-micro-batch context when ``depth`` frozen blocks can be cached."""
         cache = self.cache
         cache.flush_writes()
-        if cache.enabled and not _rows_are_samples(batch, len(indices), sizes):
-            self._refuse_rows(sum(sizes), len(indices))
+        if cache.enabled:
+            self._check_rows(batch, len(indices), sizes)
         self._observe_input(indices, batch)
         if depth == 0 or not cache.enabled:
             return None
@@ -47,11 +47,20 @@ class CachedPrefix:
         if upcoming is not None and depth > 0 and self.cache.enabled:
             self.cache.prefetch(upcoming, depth)
 
-    def _refuse_rows(self, rows: int, samples: int) -> None:
-        self._refuse(
-            f"a batch of {rows} rows was made of {samples} samples (a collate_fn that drops or adds rows), so its "
-            f"rows cannot be matched with the samples whose states are cached"
-        )
+    def _check_rows(self, batch: Any, samples: int, sizes: list[int]) -> None:
+        """Refuse a batch whose rows are not one per sample (the cache keys and fingerprints rows)."""
+        firsts = {t.shape[0] for t in _tensors(batch) if t.dim() > 0}
+        others = sorted(firsts - {samples})
+        if others and samples in firsts:
+            self._refuse(
+                f"a batch of {samples} samples holds tensors whose first dimension is not that ({others}: a tensor "
+                f"per batch, not per sample), which the cache cannot match with the samples whose states are cached"
+            )
+        elif not _rows_are_samples(batch, samples, sizes):
+            self._refuse(
+                f"a batch of {sum(sizes)} rows was made of {samples} samples (a collate_fn that drops or adds rows), "
+                f"so its rows cannot be matched with the samples whose states are cached"
+            )
 
     def _refuse(self, reason: str) -> None:
         """An error under ``cache=True``, else the cache off with a warning."""

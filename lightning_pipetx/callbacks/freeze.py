@@ -123,6 +123,7 @@ class FreezeCallback(Callback):
         self._last_tick = 0.0
         self._observed: float | None = None  # the guard's metric at the last validation since the epoch's end
         self._epochs_ended: int | None = None  # the last epoch whose end this fit saw (None: an older checkpoint's)
+        self._state_loaded = False  # this fit resumed this callback's state from a checkpoint
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -144,7 +145,7 @@ class FreezeCallback(Callback):
         return self._post_weights
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._epochs_ended = trainer.current_epoch - 1  # before a checkpoint's state is loaded
+        self._state_loaded = False  # until a checkpoint's state is loaded
         strategy = trainer.strategy
         if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
             raise ValueError(
@@ -205,7 +206,10 @@ class FreezeCallback(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_tick = time.perf_counter()  # a run resumed mid-epoch skips on_train_epoch_start
-        self._decide_skipped_epoch(trainer)
+        if self._state_loaded:
+            self._decide_skipped_epoch(trainer)
+        else:  # a new fit, or one resumed from a checkpoint written without this callback: nothing was skipped
+            self._epochs_ended = trainer.current_epoch - 1
         # Re-applies a frozen prefix restored from a checkpoint (ckpt_path=...).
         if self.frozen_blocks:
             self._apply(trainer)
@@ -465,6 +469,7 @@ class FreezeCallback(Callback):
         self._post_weights = state_dict.get("post_weights") or []
         self._post_modules = state_dict.get("post_modules") or []
         self._epochs_ended = state_dict.get("epochs_ended")  # None in a checkpoint written before it was kept
+        self._state_loaded = True
         self._apply_trace()
         if self.guard is not None and state_dict.get("guard") is not None:
             self.guard.load_state_dict(state_dict["guard"])
