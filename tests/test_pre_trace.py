@@ -10,6 +10,7 @@ import tiny_models as tm
 import torch
 from distributed import run_workers
 from elastic_cases import reference_run
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch.utils.data import default_collate
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback, find_blocks
@@ -89,7 +90,9 @@ def test_the_moved_weight_freezes_with_the_prefix_and_survives_a_checkpoint():
 
 
 class _TrainerStub:
-    strategy = None
+    """What FreezeCallback.setup reads of a Trainer: its strategy."""
+
+    strategy = SingleDeviceStrategy(torch.device("cpu"))
 
 
 def test_a_pipeline_agrees_over_its_ranks_and_trains_as_one_process(tmp_path):

@@ -121,14 +121,15 @@ def test_batches_that_cannot_be_split_raise_a_clear_error():
 
 
 class _WeightedRegressor(pl.LightningModule):
-    """A batch of ``(x, y, weights)``: ``weights`` per output column (2), not per sample."""
+    """A batch of ``(x, y, weights)`` or ``{"weights": ..., "x": ..., "y": ...}``: ``weights`` per
+    output column (2, not per sample) or one number."""
 
     def __init__(self):
         super().__init__()
         self.model = build_model("sequential", dropout=0.0)
 
     def training_step(self, batch, batch_idx):
-        x, y, weights = batch
+        x, y, weights = (batch["x"], batch["y"], batch["weights"]) if isinstance(batch, dict) else batch
         loss = ((self.model(x) - y) ** 2 * weights).mean()
         self.log("train_loss", loss, on_epoch=True)
         return loss
@@ -142,13 +143,21 @@ def _with_column_weights(samples):
     return x, y, torch.tensor([1.0, 2.0])
 
 
+def _scaled_by_one_number(samples):
+    x, y = torch.utils.data.default_collate(samples)
+    return {"weights": torch.tensor(2.0), "x": x, "y": y}  # Lightning infers a batch size of 1 from it
+
+
+@pytest.mark.parametrize("collate", [_with_column_weights, _scaled_by_one_number])
 @pytest.mark.parametrize("cache", [False, "auto"])
-def test_a_batch_with_a_tensor_not_of_the_batch_size_trains_whole_as_under_plain_lightning(cache, caplog):
+def test_a_batch_with_a_tensor_not_of_the_batch_size_trains_whole_as_under_plain_lightning(collate, cache, caplog):
+    # 18 samples in batches of 4: the last batch holds 2, so the epoch's mean depends on the weights
+    # Lightning gives each batch's logged value.
     def fit(strategy):
-        module, data = _WeightedRegressor(), task_loader("sequential", size=16).dataset
+        module, data = _WeightedRegressor(), task_loader("sequential", size=18).dataset
         # The order Lightning's DistributedSampler gives the strategy's one replica.
         order = None if strategy else DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
-        loader = DataLoader(data, batch_size=4, sampler=order, collate_fn=_with_column_weights)
+        loader = DataLoader(data, batch_size=4, sampler=order, collate_fn=collate)
         freeze = FreezeCallback(alpha=0.5, signal="schedule")
         trainer = make_trainer([freeze], max_epochs=4, **({"strategy": strategy} if strategy else {}))
         trainer.fit(module, loader)
@@ -158,28 +167,12 @@ def test_a_batch_with_a_tensor_not_of_the_batch_size_trains_whole_as_under_plain
     with caplog.at_level("WARNING", logger="lightning_pipetx"):
         state, metrics = fit(ElasticPipelineStrategy(cache=cache, profile_steps=0))  # one micro-batch: left whole
     assert float(metrics["train_loss_epoch"]) == pytest.approx(float(plain["train_loss_epoch"]), rel=1e-6)
-    if cache:  # AutoCache keys and fingerprints one row per sample: not such a batch
-        assert "holds tensors whose first dimension is not that ([2]: a tensor per batch" in caplog.text
     for key, value in plain_state.items():
         torch.testing.assert_close(state[key], value, msg=key)
-
-
-def test_a_batch_with_a_single_number_keeps_its_size_and_the_cache():
-    # {"scale": 0-dim, "x": [4, 8], "y": [4, 2]}: the batch size is the samples', not the number's 1
-    class Scaled(_WeightedRegressor):
-        def training_step(self, batch, batch_idx):
-            return super().training_step((batch["x"], batch["y"], batch["scale"]), batch_idx)
-
-    def collate(samples):
-        x, y = torch.utils.data.default_collate(samples)
-        return {"scale": torch.tensor(2.0), "x": x, "y": y}
-
-    loader = DataLoader(task_loader("sequential", size=16).dataset, batch_size=4, collate_fn=collate)
-    trainer = make_trainer(
-        [FreezeCallback(alpha=0.5, signal="schedule")], max_epochs=4, strategy=ElasticPipelineStrategy(cache=True)
-    )
-    trainer.fit(Scaled(), loader)
-    assert float(trainer.callback_metrics["pipetx/cache_hit_rate"]) == 1.0
+    if cache and collate is _with_column_weights:  # AutoCache keys and fingerprints one row per sample
+        assert "holds tensors whose first dimension is not that ([2]: a tensor per batch" in caplog.text
+    elif cache:  # a number is not a row: the batch's rows are its samples
+        assert float(metrics["pipetx/cache_hit_rate"]) == 1.0
 
 
 def test_take_and_chunk_reorder_samples():

@@ -57,8 +57,9 @@ class CachedPrefix:
                 f"per batch, not per sample), which the cache cannot match with the samples whose states are cached"
             )
         elif not _rows_are_samples(batch, samples, sizes):
+            rows = next(iter(firsts)) if len(firsts) == 1 else sum(sizes)
             self._refuse(
-                f"a batch of {sum(sizes)} rows was made of {samples} samples (a collate_fn that drops or adds rows), "
+                f"a batch of {rows} rows was made of {samples} samples (a collate_fn that drops or adds rows), "
                 f"so its rows cannot be matched with the samples whose states are cached"
             )
 

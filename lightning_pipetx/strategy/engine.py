@@ -162,7 +162,8 @@ class PipelineEngine:
         microbatches, sizes = self._microbatches(batch)
         prefix = self._prefix if indices is not None else None
         if prefix is not None:
-            context = prefix.begin_step(batch, indices, sizes, self._cache_depth())
+            rows = sizes if len(microbatches) > 1 else [len(indices)]  # a whole batch: one row per sample
+            context = prefix.begin_step(batch, indices, rows, self._cache_depth())
             if context is not None:
                 self.runner.microbatch_context = context
         total = sum(sizes)

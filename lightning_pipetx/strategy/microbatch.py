@@ -51,12 +51,8 @@ def batch_size(batch: Any) -> int:
 
 
 def whole_batch_size(batch: Any) -> int:
-    """The size of a batch left whole: the common dim 0 of its tensors; where they differ, what
-    Lightning infers for ``self.log`` (its first tensor's dim 0; 1 where it finds none), as under DDP."""
-    try:
-        return batch_size(batch)
-    except BatchSplitError:
-        pass
+    """The size of a batch left whole as Lightning infers it for ``self.log`` under DDP (its first
+    tensor's dim 0, 1 for a single number; 1 where it finds none): the tensors need not agree."""
     try:
         return extract_batch_size(batch)
     except MisconfigurationException:
