@@ -187,11 +187,7 @@ class _ShiftingDataModule(pl.LightningDataModule):
 
 def test_the_drop_last_fill_calls_the_datamodules_batch_hook(tmp_path):
     shares = _ServedShares()
-    trainer = tm.make_trainer(
-        [FreezeCallback(alpha=1 / 2, signal="schedule"), shares],
-        max_epochs=4,
-        strategy=ElasticPipelineStrategy(cache=True, profile_steps=0, cache_dir=str(tmp_path / "spill")),
-    )
+    trainer = tm.cached_trainer(tmp_path, True, [shares])
     module = _CountedSteps()
     trainer.fit(module, datamodule=_ShiftingDataModule())
     assert module.calls == {0: 4, 1: 5, 2: 5, 3: 4} and shares.shares[2:] == [1.0, 1.0]
@@ -228,11 +224,7 @@ def test_a_left_out_sample_padded_shorter_than_the_batches_is_not_cached(tmp_pat
     # length, often shorter: it is left uncached rather than taken for dynamic padding.
     loader = DataLoader(_PaddedTokens(), batch_size=16, shuffle=True, drop_last=True, collate_fn=_pad)
     rates = tm.HitRates()
-    trainer = tm.make_trainer(
-        [FreezeCallback(alpha=1 / 4, signal="schedule"), rates],
-        max_epochs=6,
-        strategy=ElasticPipelineStrategy(cache="auto", profile_steps=0, cache_dir=str(tmp_path / "spill")),
-    )
+    trainer = tm.cached_trainer(tmp_path, "auto", [rates], alpha=1 / 4, max_epochs=6)
     with caplog.at_level("WARNING", logger="lightning_pipetx"):
         trainer.fit(tm.TinyBertClassifier(seed=0, dropout=0.0), loader)
     assert not [r.message for r in caplog.records if "switched off" in r.message]
@@ -281,18 +273,7 @@ def test_a_training_loader_rebuilt_over_another_dataset_switches_the_cache_off(t
 
     def run(cache):
         module = Reloading(seed=0, dropout=0.0)
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=1,
-            strategy=ElasticPipelineStrategy(cache=cache, profile_steps=0, cache_dir=str(tmp_path / "spill")),
-            max_epochs=4,
-            reload_dataloaders_every_n_epochs=1,
-            callbacks=[FreezeCallback(alpha=1 / 2, signal="schedule")],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        trainer = tm.cached_trainer(tmp_path, cache, reload_dataloaders_every_n_epochs=1)
         trainer.fit(module)
         return module.state_dict()
 

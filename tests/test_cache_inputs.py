@@ -7,7 +7,6 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 from lightning_pipetx.autocache.states import RowLayout
 
 
@@ -36,17 +35,7 @@ class SequenceFirst(pl.LightningModule):
 
 def fit(cache, module, batch_size, tmp_path, size=32, epochs=4):
     rates = tm.HitRates()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=ElasticPipelineStrategy(cache=cache, profile_steps=0, cache_dir=str(tmp_path / "spill")),
-        max_epochs=epochs,
-        callbacks=[FreezeCallback(alpha=1 / 2, signal="schedule"), rates],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = tm.cached_trainer(tmp_path, cache, [rates], max_epochs=epochs)
     data = tm.RandomTokenDataset(size=size, seed=1)
     trainer.fit(module, DataLoader(data, batch_size=batch_size, shuffle=True))
     return module.state_dict(), rates.rates
@@ -109,18 +98,7 @@ class _TwoLoaders(tm.TinyBertClassifier):
 
 
 def _fit_module(cache, module, tmp_path, epochs=4):
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=ElasticPipelineStrategy(cache=cache, profile_steps=0, cache_dir=str(tmp_path / "spill")),
-        max_epochs=epochs,
-        callbacks=[FreezeCallback(alpha=1 / 2, signal="schedule")],
-        use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = tm.cached_trainer(tmp_path, cache, max_epochs=epochs, use_distributed_sampler=False)
     trainer.fit(module)
     return module.state_dict()
 
@@ -153,11 +131,7 @@ class _SizedStream(torch.utils.data.IterableDataset):
 
 def test_an_iterable_dataset_with_a_length_is_not_cached(tmp_path):
     rates = tm.HitRates()
-    trainer = tm.make_trainer(
-        [FreezeCallback(alpha=1 / 2, signal="schedule"), rates],
-        max_epochs=3,
-        strategy=ElasticPipelineStrategy(cache="auto", profile_steps=0, cache_dir=str(tmp_path / "spill")),
-    )
+    trainer = tm.cached_trainer(tmp_path, "auto", [rates], max_epochs=3)
     trainer.fit(tm.TinyBertClassifier(seed=0, dropout=0.0), DataLoader(_SizedStream(), batch_size=8))
     assert trainer.global_step == 12 and rates.rates == [None, None, None]  # trained, never looked up
 
@@ -191,12 +165,7 @@ class _GrowingData(tm.TinyBertClassifier):
 def test_a_training_dataset_that_changes_its_length_turns_the_cache_off(tmp_path, caplog):
     def run(cache):
         module = _GrowingData()
-        trainer = tm.make_trainer(
-            [FreezeCallback(alpha=1 / 2, signal="schedule")],
-            max_epochs=4,
-            reload_dataloaders_every_n_epochs=1,
-            strategy=ElasticPipelineStrategy(cache=cache, profile_steps=0, cache_dir=str(tmp_path / "spill")),
-        )
+        trainer = tm.cached_trainer(tmp_path, cache, reload_dataloaders_every_n_epochs=1)
         trainer.fit(module)
         return module.state_dict()
 
@@ -228,12 +197,7 @@ class _SetsEpoch(tm.TinyBertClassifier):
 
 def test_the_users_batch_sampler_keeps_its_attributes_under_the_cache(tmp_path):
     rates = tm.HitRates()
-    trainer = tm.make_trainer(
-        [FreezeCallback(alpha=1 / 2, signal="schedule"), rates],
-        max_epochs=4,
-        use_distributed_sampler=False,
-        strategy=ElasticPipelineStrategy(cache="auto", profile_steps=0, cache_dir=str(tmp_path / "spill")),
-    )
+    trainer = tm.cached_trainer(tmp_path, "auto", [rates], use_distributed_sampler=False)
     data = tm.RandomTokenDataset(size=32, seed=1)
     trainer.fit(_SetsEpoch(seed=0, dropout=0.0), DataLoader(data, batch_sampler=_EpochBatches(32, 8)))
     assert trainer.train_dataloader.batch_sampler.epoch == 3 and trainer.train_dataloader.batch_sampler.batch_size == 8
@@ -250,11 +214,7 @@ def _collate_full_batches(samples):
 def test_left_out_samples_that_fail_to_load_are_not_cached_and_training_goes_on(tmp_path, caplog):
     def run(cache):
         module = tm.TinyBertClassifier(seed=0, dropout=0.0)
-        trainer = tm.make_trainer(
-            [FreezeCallback(alpha=1 / 2, signal="schedule")],
-            max_epochs=4,
-            strategy=ElasticPipelineStrategy(cache=cache, profile_steps=0, cache_dir=str(tmp_path / "spill")),
-        )
+        trainer = tm.cached_trainer(tmp_path, cache)
         data = tm.RandomTokenDataset(size=36, seed=1)
         trainer.fit(module, DataLoader(data, batch_size=8, drop_last=True, collate_fn=_collate_full_batches))
         return module.state_dict()
@@ -273,11 +233,7 @@ class _AllHiddenStates(tm.TinyBertClassifier):
 
 def test_a_refusal_ends_with_its_fit(tmp_path):
     rates = tm.HitRates()
-    trainer = tm.make_trainer(
-        [FreezeCallback(alpha=1 / 2, signal="schedule"), rates],
-        max_epochs=3,
-        strategy=ElasticPipelineStrategy(cache="auto", profile_steps=0, cache_dir=str(tmp_path / "spill")),
-    )
+    trainer = tm.cached_trainer(tmp_path, "auto", [rates], max_epochs=3)
     data = tm.RandomTokenDataset(size=32, seed=1)
     trainer.fit(_AllHiddenStates(seed=0, dropout=0.0), DataLoader(data, batch_size=8))  # every block's output
     assert all(rate in (None, 0.0) for rate in rates.rates)

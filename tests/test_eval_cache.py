@@ -10,7 +10,6 @@ from distributed import run_workers
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
 from torch.utils.data import DataLoader
 
-from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 from lightning_pipetx.strategy.lightning_compat import WeightAveragingError
 
 
@@ -37,18 +36,8 @@ def fit(
 ):
     module = module or tm.TinyBertClassifier(seed=0, dropout=0.0)
     record = ValidationRecord()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=ElasticPipelineStrategy(cache=cache, profile_steps=0, cache_dir=str(tmp_path / "spill")),
-        max_epochs=epochs,
-        callbacks=[FreezeCallback(alpha=1 / 2, signal="schedule"), record, *callbacks],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=sanity_steps,
-        **options,
+    trainer = tm.cached_trainer(
+        tmp_path, cache, [record, *callbacks], max_epochs=epochs, num_sanity_val_steps=sanity_steps, **options
     )
     train = DataLoader(tm.RandomTokenDataset(size=32, seed=1), batch_size=8, shuffle=True)
     val = val_loaders or DataLoader(val_data or tm.RandomTokenDataset(size=24, seed=2), batch_size=8)

@@ -607,3 +607,13 @@ def make_trainer(callbacks, max_epochs=3, **kwargs) -> pl.Trainer:
     )
     options.update(kwargs)
     return pl.Trainer(callbacks=callbacks, **options)
+
+
+def cached_trainer(tmp_path, cache, callbacks=(), alpha=1 / 2, max_epochs=4, **kwargs) -> pl.Trainer:
+    """:func:`make_trainer` under ``ElasticPipelineStrategy(cache=cache)`` (spilling under ``tmp_path``),
+    with a ``FreezeCallback`` freezing by schedule (``alpha``) before ``callbacks``."""
+    from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback  # registers the strategy: not at import
+
+    strategy = ElasticPipelineStrategy(cache=cache, profile_steps=0, cache_dir=str(tmp_path / "spill"))
+    freeze = FreezeCallback(alpha=alpha, signal="schedule")
+    return make_trainer([freeze, *callbacks], max_epochs=max_epochs, strategy=strategy, **kwargs)
