@@ -26,10 +26,13 @@ SEVERAL_LOADERS = (
     "(max_size_cycle) would name the wrong samples"
 )
 
-RELOADED_VALIDATION = (
-    "the validation loader was rebuilt over another dataset object, whose indices may name other samples "
-    "than the cached states; return the same dataset object from val_dataloader() to keep the cache"
-)
+
+def _rebuilt(kind: str, hook: str) -> str:
+    """Why a ``kind`` loader rebuilt over another dataset object cannot keep the cache."""
+    return (
+        f"the {kind} loader was rebuilt over another dataset object, whose indices may name other samples "
+        f"than the cached states; return the same dataset object from {hook}() to keep the cache"
+    )
 
 
 def _resized(kind: str, cached_samples: int, dataset: Any) -> str | None:
@@ -112,14 +115,9 @@ class CacheFeed:
 
     def _reload_refusal(self, dataset: Any, cached_samples: int) -> str | None:
         """Why a reloaded training loader's indices may not name the cached samples (None: they do)."""
-        if dataset is not self._training_dataset:
-            return (
-                "the training loader was rebuilt over another dataset object, whose indices may name other "
-                "samples than the cached states; return the same dataset object from train_dataloader() to "
-                "keep the cache."
-            )
-        resized = _resized("training", cached_samples, dataset)
-        return None if resized is None else resized + "."
+        reason = _rebuilt("training", "train_dataloader") if dataset is not self._training_dataset else None
+        reason = reason or _resized("training", cached_samples, dataset)
+        return None if reason is None else reason + "."
 
     def loaders_reloaded(self) -> None:
         """The loaders built so far are to be built again (a transition): the next build is a
@@ -149,7 +147,7 @@ class CacheFeed:
         cache = self.control.eval_cache
         if cache is not None:
             if not self._validation.locate(loaders):
-                self.control.refuse_validation(RELOADED_VALIDATION)
+                self.control.refuse_validation(_rebuilt("validation", "val_dataloader"))
             elif (resized := _resized("validation", cache.num_samples, self._validation.dataset)) is not None:
                 self.control.refuse_validation(resized)
             self.control.begin_validation(world_size)

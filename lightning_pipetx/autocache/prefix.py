@@ -56,7 +56,7 @@ class CachedPrefix:
                 f"a batch of {samples} samples holds tensors whose first dimension is not that ({others}: a tensor "
                 f"per batch, not per sample), which the cache cannot match with the samples whose states are cached"
             )
-        elif not _rows_are_samples(batch, samples, sizes):
+        elif sum(sizes) != samples or samples not in firsts:  # the micro-batches' rows are not the samples
             rows = next(iter(firsts)) if len(firsts) == 1 else sum(sizes)
             self._refuse(
                 f"a batch of {rows} rows was made of {samples} samples (a collate_fn that drops or adds rows), "
@@ -135,12 +135,6 @@ class CachedPrefix:
             hooks.on_first_block = hooks.on_capture = hooks.on_prefix_input = hooks.on_uncacheable = None
             if captured_state is not None and cache.enabled:
                 cache.store(indices, depth, captured_state)
-
-
-def _rows_are_samples(batch: Any, samples: int, sizes: list[int]) -> bool:
-    """Whether the batch holds one row per sample: its micro-batches add up to the samples and
-    some tensor has that many rows."""
-    return sum(sizes) == samples and any(t.dim() > 0 and t.shape[0] == samples for t in _tensors(batch))
 
 
 def _sample_shapes(batch: Any) -> list[tuple[int, ...]]:
