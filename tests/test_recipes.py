@@ -359,7 +359,9 @@ def test_a_sum_over_the_replicas_counts_every_sample_once_after_a_resume_in_mid_
 def test_training_metrics_of_any_state_give_the_epoch_value_of_every_replicas_samples(tmp_path):
     # Under a pipeline only the last stage updates a metric in training_step; the other stages'
     # copies keep their initial states (empty lists, zeros). The epoch's sync reads the last
-    # stages of the layout the epoch trained under: 2x1, then 1x2 after the transition.
+    # stages of the layout the epoch trained under: 2x1, then 1x2 after the transition. So does
+    # a compute() in on_validation_epoch_end (validation ends the epoch, before the transition),
+    # where a validation metric, updated on every stage, counts each validation sample once.
     from torchmetrics.functional.classification import multiclass_auroc
 
     run_workers("recipes_worker.py", 2, str(tmp_path), "epoch_metrics")
@@ -376,6 +378,10 @@ def test_training_metrics_of_any_state_give_the_epoch_value_of_every_replicas_sa
         for report in reports:
             assert report["values"]["train_auroc"][epoch] == pytest.approx(auroc, abs=1e-6)
             assert report["values"]["summed_loss"][epoch] == pytest.approx(summed_loss, rel=1e-6)
+            validated = report["validated"][epoch]
+            assert validated["train_auroc"] == pytest.approx(auroc, abs=1e-6)
+            assert validated["summed_loss"] == pytest.approx(summed_loss, rel=1e-6)
+            assert validated["val_samples"] == 32
 
 
 @pytest.mark.parametrize("cache", ["auto", True])

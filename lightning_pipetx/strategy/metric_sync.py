@@ -3,7 +3,11 @@
 In a training step the code after the model call runs on the last stages only: a metric
 updated there holds the replica's samples on its last stage and its initial state on the
 other stages. In an evaluation step every stage updates its own copy with the same output.
-DDP would sync each metric over one rank per replica; so do these.
+DDP would sync each metric over one rank per replica; so do these. During fit every metric
+the epoch's sync is installed on reads the last stage of each replica, in training and in
+validation alike: that copy holds the replica's states whichever steps updated it, so a
+training metric computed in a validation hook gives DDP's value too. Other metrics (outside
+fit, or made during a validation) sync over the ranks of their stage while evaluation runs.
 """
 
 from __future__ import annotations
@@ -31,9 +35,12 @@ class MetricGroups:
     def __init__(self) -> None:
         self._changed: list[Metric] = []
 
-    def enter(self, module: nn.Module, group: dist.ProcessGroup) -> None:
+    def enter(
+        self, module: nn.Module, group: dist.ProcessGroup, keep: Callable[[Metric], bool] = lambda m: False
+    ) -> None:
+        """Point the metrics of ``module`` without a group of their own at ``group``, but those ``keep`` names."""
         for metric in module.modules():
-            if isinstance(metric, Metric) and metric.process_group is None:
+            if isinstance(metric, Metric) and metric.process_group is None and not keep(metric):
                 metric.process_group = group
                 self._changed.append(metric)
 
@@ -86,6 +93,10 @@ class LastStageSync:
                 metric.dist_sync_fn = self._gather
                 self._installed.append(metric)
 
+    def syncs(self, metric: Metric) -> bool:
+        """Whether ``metric`` reads the ranks of :attr:`sources` when it syncs over the world."""
+        return self._gather is not None and metric.dist_sync_fn is self._gather
+
     def remove(self) -> None:
         for metric in self._installed:
             if metric.dist_sync_fn is self._gather:
@@ -130,6 +141,7 @@ class PipelineMetrics:
     def __init__(self, running_layout: Callable[[], Layout | None]) -> None:
         self.running_layout = running_layout
         self.logged_layout: Layout | None = None
+        self._evaluating = False
         self._evaluation = MetricGroups()
         self._training = MetricGroups()
         self._epoch_sync = LastStageSync(self.state_ranks)
@@ -152,16 +164,23 @@ class PipelineMetrics:
             self._training.exit()
 
     def evaluation_starts(self, module: nn.Module, topology: Topology) -> None:
-        if topology.pipeline_length > 1:  # every stage updates its metrics in evaluation steps
-            self._evaluation.enter(module, topology.stage_group)
+        """Every stage updates its metrics in evaluation steps: those the epoch's sync reads from
+        the last stages keep doing so (a training metric's states are there alone), the others
+        sync over the ranks of their stage."""
+        self._evaluating = True
+        if topology.pipeline_length > 1:
+            self._evaluation.enter(module, topology.stage_group, keep=self._epoch_sync.syncs)
 
     def evaluation_ends(self) -> None:
+        self._evaluating = False
         self._evaluation.exit()
 
     def state_ranks(self) -> list[int] | None:
-        """The ranks whose copies of a training metric hold the states (the last stages of the
-        layout the epoch trained under); None when every rank's copy does."""
-        layout = self.logged_layout or self.running_layout()
+        """The ranks whose copies of a metric hold the states (the last stages of the layout the
+        epoch trained under, or while evaluation runs the running one); None when every rank's
+        copy does."""
+        layout = None if self._evaluating else self.logged_layout
+        layout = layout or self.running_layout()
         if layout is None or layout.pipeline_length == 1:
             return None
         return layout.stage_ranks(layout.pipeline_length - 1)

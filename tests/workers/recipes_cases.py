@@ -9,7 +9,7 @@ from lightning.pytorch.plugins import MixedPrecision
 from tiny_models import HIDDEN, NUM_LABELS, TASKS, VOCAB, TinySequentialRegressor, make_trainer
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler
-from torchmetrics import Metric
+from torchmetrics import Metric, SumMetric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC
 
 from lightning_pipetx import FreezeCallback
@@ -159,11 +159,28 @@ class SummedLoss(Metric):
 def epoch_metrics_module() -> pl.LightningModule:
     """A tiny BERT whose training step updates, after the model call, an AUROC (states: lists
     that the sync concatenates) and a :class:`SummedLoss` (a state averaged over the ranks), both
-    logged for the epoch; ``module.seen`` keeps what it fed them."""
+    logged for the epoch; ``module.seen`` keeps what it fed them. Its validation counts the samples
+    it sees, and ``on_validation_epoch_end`` computes both training metrics and that count into
+    ``module.validated``."""
     module = build_case_module({"model": "bert", "lr": 1e-3})
     module.train_auroc = MulticlassAUROC(NUM_LABELS)
     module.summed_loss = SummedLoss()
+    module.val_samples = SumMetric()
     module.seen = {"probs": [], "labels": [], "losses": []}
+    module.validated = []
+
+    def validation_step(batch, batch_idx):
+        module.model(**batch)
+        module.val_samples.update(torch.tensor(float(len(batch["labels"]))))
+
+    def on_validation_epoch_end():
+        metrics = {
+            "train_auroc": module.train_auroc,
+            "summed_loss": module.summed_loss,
+            "val_samples": module.val_samples,
+        }
+        module.validated.append({name: float(metric.compute()) for name, metric in metrics.items()})
+        module.val_samples.reset()
 
     def training_step(batch, batch_idx):
         out = module.model(**batch)
@@ -178,6 +195,8 @@ def epoch_metrics_module() -> pl.LightningModule:
         return out.loss
 
     module.training_step = training_step
+    module.validation_step = validation_step
+    module.on_validation_epoch_end = on_validation_epoch_end
     return module
 
 

@@ -168,7 +168,7 @@ def main() -> None:
         loader = train_loader(batch, sampler=SeededOrder(39), size=39, drop_last=True)
     if mode == "random_collate":
         loader = torch.utils.data.DataLoader(loader.dataset, batch_size=GLOBAL_BATCH, collate_fn=random_masking)
-    trainer.fit(module, loader, loader if mode == "plateau" else None, ckpt_path=resume)
+    trainer.fit(module, loader, loader if mode in ("plateau", "epoch_metrics") else None, ckpt_path=resume)
     report = {"summary_parameters": summary.total_parameters}
     if mode == "hooks":
         report["hook_calls"] = module.hook_calls
@@ -183,6 +183,7 @@ def main() -> None:
         epochs.record(trainer)
         report["values"] = epochs.values
         report["epochs"] = epochs.rows
+        report["validated"] = getattr(module, "validated", None)
     else:
         report["scale"] = trainer.precision_plugin.scaler.get_scale()
     if freeze is not None:
