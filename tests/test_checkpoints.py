@@ -9,9 +9,14 @@ import torch
 from distributed import run_workers
 from elastic_cases import build_module, reference_run
 from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from tiny_models import RandomVectorDataset, TinySequentialRegressor, make_trainer
+from torch.utils.data import DataLoader
 
+from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 from lightning_pipetx.strategy.checkpoint import atomic_save
+from lightning_pipetx.strategy.model_checks import UnsupportedRecipeError
 
 
 def _assert_same_weights(actual, expected):
@@ -112,3 +117,21 @@ def test_a_checkpoint_io_of_the_users_writes_where_it_chooses(tmp_path):
 
     atomic_save(SuffixedIO(), {"weights": torch.ones(3)}, tmp_path / "last.ckpt")
     assert list(tmp_path.iterdir()) == [tmp_path / "last.ckpt.v1"]
+
+
+def test_a_checkpoint_of_another_pipeline_is_refused_in_the_middle_of_a_fit(tmp_path):
+    # Loaded while the run goes on (as Lightning's learning-rate finder loads the one it saved), a
+    # checkpoint written before blocks froze no longer matches what the ranks hold.
+    class LoadsTheFirstCheckpoint(Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            path = tmp_path / "epoch0.ckpt"
+            if trainer.current_epoch == 0:
+                trainer.save_checkpoint(path)
+            trainer.strategy.load_model_state_dict(torch.load(path, weights_only=False))
+
+    strategy = ElasticPipelineStrategy(profile_steps=0, cache=False)
+    freeze = FreezeCallback(alpha=0.5, signal="schedule")
+    trainer = make_trainer([freeze, LoadsTheFirstCheckpoint()], max_epochs=2, strategy=strategy)
+    with pytest.raises(UnsupportedRecipeError, match="FreezeCallback froze blocks during the trial steps"):
+        trainer.fit(TinySequentialRegressor(seed=0), DataLoader(RandomVectorDataset(size=16), batch_size=4))
+    assert trainer.current_epoch == 1 and freeze.frozen_blocks == 2  # epoch 0 loaded it back

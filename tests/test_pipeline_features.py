@@ -1,6 +1,7 @@
 """Lightning features under ElasticPipelineStrategy: an unchanged LightningModule with
 torchmetrics, sync_dist, ModelCheckpoint, EarlyStopping, an LR scheduler, validate, test and
-predict; the registered strategy names; bf16-mixed; fast_dev_run; a dead peer."""
+predict; the learning-rate finder; the registered strategy names; bf16-mixed; fast_dev_run;
+a dead peer."""
 
 import json
 import subprocess
@@ -11,6 +12,11 @@ import pytest
 import torch
 from distributed import REPO, TESTS_DIR, run_workers
 from features_worker import Classifier
+from tiny_models import RandomVectorDataset, make_trainer
+from torch.utils.data import DataLoader, DistributedSampler
+from tuner_worker import GLOBAL_BATCH, tune_and_fit
+
+from lightning_pipetx import FreezeCallback
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +110,22 @@ def test_weights_are_whole_after_the_run(four_ranks):
     _, reports = four_ranks
     assert all(isinstance(p, int) for p in reports[0]["direct"])
     assert torch.tensor(reports[3]["predictions"]).numel() == 7
+
+
+def test_the_learning_rate_finder_restores_the_module_under_a_pipeline(tmp_path):
+    # Lightning's finder saves the module, runs its trial steps and loads the module back while
+    # each rank holds only its stage's blocks; the fit after it freezes blocks (2x1 -> 1x2).
+    run_workers("tuner_worker.py", 2, str(tmp_path))
+    dataset = RandomVectorDataset(size=64)
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+    trainer = make_trainer([FreezeCallback(alpha=0.5, signal="schedule")])
+    module, expected = tune_and_fit(trainer, DataLoader(dataset, batch_size=GLOBAL_BATCH, sampler=sampler))
+    assert expected["restored"]
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report["restored"] and report["lr"] == expected["lr"]
+        assert report["losses"] == pytest.approx(expected["losses"], rel=1e-5)
+        assert report["layouts"] == ["2x1", "2x1", "1x2"]
+    fitted = torch.load(tmp_path / "fitted.pt", weights_only=True)
+    for name, value in module.state_dict().items():  # float rounding, grown by the chosen learning rate (0.1)
+        torch.testing.assert_close(fitted[name], value, atol=1e-4, rtol=1e-4, msg=name)

@@ -10,6 +10,7 @@ leaves the previous checkpoint whole.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import fsspec
@@ -22,6 +23,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_pipetx.strategy.autopipe import Plan
+from lightning_pipetx.strategy.model_checks import UnsupportedRecipeError
+from lightning_pipetx.strategy.param_store import ParamStore
 
 
 def _param_indices(optimizer: Optimizer) -> dict[int, int]:
@@ -80,6 +83,35 @@ def atomic_save(checkpoint_io: CheckpointIO, checkpoint: dict[str, Any], filepat
     finally:
         if os.path.exists(partial):
             os.remove(partial)
+
+
+def refuse_other_plan(saved: Mapping[str, Any] | None, plan: Plan, frozen: int) -> None:
+    """A checkpoint loaded into a running fit must be of the running plan: the ranks hold its stages."""
+    running = {"layout": str(plan.layout), "bounds": [list(b) for b in plan.bounds], "frozen_blocks": frozen}
+    if saved is not None:
+        saved = {key: saved.get(key) for key in running}
+        saved["bounds"] = [list(b) for b in saved["bounds"] or ()]
+    if saved != running:
+        raise UnsupportedRecipeError(
+            f"a checkpoint was loaded into the running fit (Lightning's learning-rate finder restores the one it "
+            f"saved before its trial steps) whose pipeline differs from the running one: saved {saved}, running "
+            f"{running}. FreezeCallback froze blocks during the trial steps: run the finder on fewer steps than an "
+            f"epoch (lr_find(num_training=...)), or find the learning rate without FreezeCallback and add it to the "
+            f"fit that follows."
+        )
+
+
+def load_held_weights(module: nn.Module, state: Mapping[str, Any], store: ParamStore, strict: bool) -> None:
+    """Load ``state`` into the weights this rank holds while a run goes on: the blocks it released
+    stay released (the ranks that run them load theirs from the same file)."""
+    released = {name for name, param in module.named_parameters(remove_duplicate=False) if store.is_released(param)}
+    missing, unexpected = module.load_state_dict({k: v for k, v in state.items() if k not in released}, strict=False)
+    missing = [key for key in missing if key not in released]
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(module).__name__}: missing keys {missing}, "
+            f"unexpected keys {unexpected}"
+        )
 
 
 class ClosedRun:

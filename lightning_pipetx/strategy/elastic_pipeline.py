@@ -22,7 +22,13 @@ from lightning_pipetx.autocache import CacheControl, CacheFeed, CacheSite
 from lightning_pipetx.blocks import BlockSplit, find_blocks
 from lightning_pipetx.strategy.autodp import AutoDP, Transition
 from lightning_pipetx.strategy.autopipe import FROZEN_TIME, AutoPipe, Plan, device_memory
-from lightning_pipetx.strategy.checkpoint import ClosedRun, atomic_save, gather_optimizer_state
+from lightning_pipetx.strategy.checkpoint import (
+    ClosedRun,
+    atomic_save,
+    gather_optimizer_state,
+    load_held_weights,
+    refuse_other_plan,
+)
 from lightning_pipetx.strategy.dataloading import shards_one_index_space, stable_shards
 from lightning_pipetx.strategy.engine import PipelineEngine
 from lightning_pipetx.strategy.failure import FailureAgreement, explain_training_outputs, restore_after_failure
@@ -614,6 +620,15 @@ class ElasticPipelineStrategy(DDPStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         self._restored_profile = (checkpoint.get("pipetx") or {}).get("block_costs")
         return checkpoint
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Lightning's; while a fit runs (Lightning's learning-rate finder restores the module it
+        saved before its trial steps), each rank loads the weights it holds."""
+        if self.engine is None:
+            super().load_model_state_dict(checkpoint, strict=strict)
+            return
+        refuse_other_plan(checkpoint.get("pipetx"), self.engine.plan, self._frozen)
+        load_held_weights(self.lightning_module, checkpoint["state_dict"], self._store, strict)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         super().load_optimizer_state_dict(checkpoint)

@@ -55,6 +55,10 @@ class ParamStore:
     def shape(self, param: nn.Parameter) -> torch.Size:
         return self._shapes.get(id(param), param.shape)
 
+    def is_released(self, param: nn.Parameter) -> bool:
+        """Whether this rank released ``param`` (another stage's)."""
+        return id(param) in self._shapes
+
     def released_blocks(self) -> list[int]:
         """Blocks whose weights this rank does not hold."""
         return [i for i, block in enumerate(self.blocks) if any(id(p) in self._shapes for p in block.parameters())]
