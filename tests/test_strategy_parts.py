@@ -495,3 +495,14 @@ def test_a_composite_model_is_checked_for_dropping_blocks_by_its_parts_configs()
     decoder = BertLMHeadModel(BertConfig(**sizes, is_decoder=True, add_cross_attention=True))
     model = EncoderDecoderModel(encoder=encoder, decoder=decoder)
     assert block_dropping(model, model.encoder.encoder.layer) == [("BertModel", "layerdrop", 0.1)]
+
+
+def test_a_run_that_failed_in_validation_leaves_no_evaluation_state_behind():
+    # The next fit on the same strategy reads a training metric from the layout its epoch trained under.
+    from lightning_pipetx.strategy.metric_sync import PipelineMetrics
+
+    metrics = PipelineMetrics(running_layout=lambda: Layout(1, 2))
+    metrics.evaluation_starts(torch.nn.Module(), namedtuple("OneStage", "pipeline_length")(1))
+    metrics.remove()  # teardown after the exception
+    metrics.logged_layout = Layout(2, 1)  # a transition 2x1 -> 1x2 ended the epoch
+    assert metrics.state_ranks() == Layout(2, 1).stage_ranks(1) == [0]  # global rank 0 is the last stage

@@ -45,6 +45,10 @@ def _metric_has_forward_cache(trainer: pl.Trainer) -> bool:
     return hasattr(torchmetrics.SumMetric(), "_forward_cache")
 
 
+def _metric_has_computed_cache(trainer: pl.Trainer) -> bool:
+    return hasattr(torchmetrics.SumMetric(), "_computed")
+
+
 def _loader_takes_a_new_batch_sampler(trainer: pl.Trainer) -> bool:
     # Its own generator: iterating a loader draws a seed, which must not move the user's random stream.
     loader = DataLoader(range(4), batch_size=2, generator=torch.Generator())
@@ -69,6 +73,11 @@ INTERNALS = (
         "torchmetrics.Metric._forward_cache",
         "a logged metric's value for the step, given to the stages that do not compute it in training_step",
         _metric_has_forward_cache,
+    ),
+    Internal(
+        "torchmetrics.Metric._computed",
+        "cleared on every rank after a training step under a pipeline, which updates the last stages' metrics only",
+        _metric_has_computed_cache,
     ),
     # Used by AutoCache and gradient clipping at the time of writing: drop an entry when its use goes.
     Internal(

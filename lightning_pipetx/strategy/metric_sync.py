@@ -142,6 +142,7 @@ class PipelineMetrics:
         self.running_layout = running_layout
         self.logged_layout: Layout | None = None
         self._evaluating = False
+        self._module_metrics: list[Metric] = []  # the module's metrics when the epoch started
         self._evaluation = MetricGroups()
         self._training = MetricGroups()
         self._epoch_sync = LastStageSync(self.state_ranks)
@@ -150,18 +151,22 @@ class PipelineMetrics:
         """A training epoch starts: the last one's values are reduced by now."""
         self.logged_layout = None
         self._epoch_sync.install(module)  # metrics made since the last epoch too
+        self._module_metrics = [metric for metric in module.modules() if isinstance(metric, Metric)]
 
     @contextlib.contextmanager
     def training_step(self, module: nn.Module, topology: Topology) -> Generator[None, None, None]:
-        """Under a pipeline, metrics the last stages update in a training step sync among them."""
-        if topology.pipeline_length == 1 or not topology.is_last_stage:
+        """Under a pipeline, metrics the last stages update in a training step sync among them; after
+        it every rank forgets the values its metrics' ``compute()`` cached."""
+        if topology.pipeline_length == 1:
             yield
             return
-        self._training.enter(module, topology.stage_group)
+        if topology.is_last_stage:
+            self._training.enter(module, topology.stage_group)
         try:
             yield
         finally:
             self._training.exit()
+        forget_computed(self._module_metrics)
 
     def evaluation_starts(self, module: nn.Module, topology: Topology) -> None:
         """Every stage updates its metrics in evaluation steps: those the epoch's sync reads from
@@ -186,4 +191,17 @@ class PipelineMetrics:
         return layout.stage_ranks(layout.pipeline_length - 1)
 
     def remove(self) -> None:
+        """The run ended, or failed (in a validation, too)."""
         self._epoch_sync.remove()
+        self._evaluation.exit()
+        self._training.exit()
+        self._evaluating, self.logged_layout, self._module_metrics = False, None, []
+
+
+def forget_computed(metrics: list[Metric]) -> None:
+    """Drop the value each metric's last ``compute()`` cached. A metric returns that value without
+    syncing until its next update, and a training step updates the copies of the last stages only:
+    the other stages' cached values would be stale, and their ``compute()`` would skip the sync that
+    the last stages enter."""
+    for metric in metrics:
+        metric._computed = None

@@ -161,7 +161,8 @@ def epoch_metrics_module() -> pl.LightningModule:
     that the sync concatenates) and a :class:`SummedLoss` (a state averaged over the ranks), both
     logged for the epoch; ``module.seen`` keeps what it fed them. Its validation counts the samples
     it sees, and ``on_validation_epoch_end`` computes both training metrics and that count into
-    ``module.validated``."""
+    ``module.validated`` (in the sanity check too, which leaves the summed loss's computed value
+    cached)."""
     module = build_case_module({"model": "bert", "lr": 1e-3})
     module.train_auroc = MulticlassAUROC(NUM_LABELS)
     module.summed_loss = SummedLoss()
@@ -174,12 +175,12 @@ def epoch_metrics_module() -> pl.LightningModule:
         module.val_samples.update(torch.tensor(float(len(batch["labels"]))))
 
     def on_validation_epoch_end():
-        metrics = {
-            "train_auroc": module.train_auroc,
-            "summed_loss": module.summed_loss,
-            "val_samples": module.val_samples,
-        }
-        module.validated.append({name: float(metric.compute()) for name, metric in metrics.items()})
+        metrics = {"summed_loss": module.summed_loss, "val_samples": module.val_samples}
+        if not module.trainer.sanity_checking:  # the sanity check's AUROC would have no samples
+            metrics["train_auroc"] = module.train_auroc
+        values = {name: float(metric.compute()) for name, metric in metrics.items()}
+        if not module.trainer.sanity_checking:
+            module.validated.append(values)
         module.val_samples.reset()
 
     def training_step(batch, batch_idx):

@@ -155,7 +155,7 @@ def main() -> None:
         enable_checkpointing=bool(steps),
         enable_progress_bar=False,
         enable_model_summary=False,
-        num_sanity_val_steps=0,
+        num_sanity_val_steps=2 if mode == "epoch_metrics" else 0,
         val_check_interval="00:00:00:01" if mode == "timed_validation" else None,
     )
     # the loader's batch is per replica, as under DDP: the global batch is GLOBAL_BATCH on either layout
