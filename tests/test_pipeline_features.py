@@ -118,7 +118,7 @@ def test_the_learning_rate_finder_restores_the_module_under_a_pipeline(tmp_path)
     run_workers("tuner_worker.py", 2, str(tmp_path))
     dataset = RandomVectorDataset(size=64)
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
-    trainer = make_trainer([FreezeCallback(alpha=0.5, signal="schedule")])
+    trainer = make_trainer([FreezeCallback(alpha=0.5, signal="schedule")], default_root_dir=tmp_path / "reference")
     module, expected = tune_and_fit(trainer, DataLoader(dataset, batch_size=GLOBAL_BATCH, sampler=sampler))
     assert expected["restored"]
     for rank in (0, 1):

@@ -42,7 +42,8 @@ def main() -> None:
     out_dir = sys.argv[1]
     layouts = Layouts()
     strategy = ElasticPipelineStrategy(pipeline_length=2, profile_steps=0, cache=False)
-    trainer = make_trainer([FreezeCallback(alpha=0.5, signal="schedule"), layouts], devices=2, strategy=strategy)
+    freeze = FreezeCallback(alpha=0.5, signal="schedule")
+    trainer = make_trainer([freeze, layouts], devices=2, strategy=strategy, default_root_dir=out_dir)
     loader = DataLoader(RandomVectorDataset(size=64), batch_size=GLOBAL_BATCH)
     module, report = tune_and_fit(trainer, loader)
     report["layouts"] = layouts.layouts
