@@ -9,7 +9,7 @@ import torch
 from distributed import run_workers
 from elastic_cases import build_module, reference_run
 from lightning.fabric.plugins import TorchCheckpointIO
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, LearningRateFinder
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from tiny_models import RandomVectorDataset, TinySequentialRegressor, make_trainer
 from torch.utils.data import DataLoader
@@ -132,6 +132,26 @@ def test_a_checkpoint_of_another_pipeline_is_refused_in_the_middle_of_a_fit(tmp_
     strategy = ElasticPipelineStrategy(profile_steps=0, cache=False)
     freeze = FreezeCallback(alpha=0.5, signal="schedule")
     trainer = make_trainer([freeze, LoadsTheFirstCheckpoint()], max_epochs=2, strategy=strategy)
-    with pytest.raises(UnsupportedRecipeError, match="FreezeCallback froze blocks during the trial steps"):
+    with pytest.raises(UnsupportedRecipeError, match=r"must be of the running pipeline.*fit\(ckpt_path=...\)"):
         trainer.fit(TinySequentialRegressor(seed=0), DataLoader(RandomVectorDataset(size=16), batch_size=4))
     assert trainer.current_epoch == 1 and freeze.frozen_blocks == 2  # epoch 0 loaded it back
+
+
+def test_a_learning_rate_finder_in_mid_fit_leaves_its_checkpoint_s_profile_behind(tmp_path):
+    # The block costs a finder's checkpoint holds are not the next run's: it measures its own.
+    class FindsAtEpoch1(LearningRateFinder):
+        def on_fit_start(self, trainer, pl_module):
+            pass
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            if trainer.current_epoch == 1:
+                self.lr_find(trainer, pl_module)
+
+    strategy = ElasticPipelineStrategy(profile_steps=2, cache=False)
+    finder = FindsAtEpoch1(num_training_steps=4, early_stop_threshold=None)
+    trainer = make_trainer([finder], max_epochs=2, strategy=strategy, default_root_dir=tmp_path)
+    module, loader = TinySequentialRegressor(seed=0), DataLoader(RandomVectorDataset(size=16), batch_size=4)
+    trainer.fit(module, loader)
+    assert finder.optimal_lr is not None
+    trainer.validate(module, loader)
+    assert not trainer.strategy.autopipe.profiled

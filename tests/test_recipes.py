@@ -367,8 +367,10 @@ def test_training_metrics_of_any_state_give_the_epoch_value_of_every_replicas_sa
     run_workers("recipes_worker.py", 2, str(tmp_path), "epoch_metrics")
     reports = _reports(tmp_path, "epoch_metrics")
     assert [e["layout"] for e in reports[0]["epochs"]] == ["2x1", "1x2"]
+    losses_so_far = []
     for epoch, replicas in enumerate((1, 2)):
         seen = [report["epochs"][epoch]["seen"] for report in reports]
+        losses_so_far += [loss for s in seen for loss in s["losses"]]
         assert sum(bool(s["losses"]) for s in seen) == replicas  # the last stages alone ran the code
         probs = torch.tensor([p for s in seen for p in s["probs"]])
         labels = torch.tensor([label for s in seen for label in s["labels"]])
@@ -382,6 +384,7 @@ def test_training_metrics_of_any_state_give_the_epoch_value_of_every_replicas_sa
             assert validated["train_auroc"] == pytest.approx(auroc, abs=1e-6)
             assert validated["summed_loss"] == pytest.approx(summed_loss, rel=1e-6)
             assert validated["val_samples"] == 32
+            assert validated["running_loss"] == pytest.approx(sum(losses_so_far) / len(losses_so_far), rel=1e-6)
 
 
 @pytest.mark.parametrize("cache", ["auto", True])

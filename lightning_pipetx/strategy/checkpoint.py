@@ -93,11 +93,10 @@ def refuse_other_plan(saved: Mapping[str, Any] | None, plan: Plan, frozen: int) 
         saved["bounds"] = [list(b) for b in saved["bounds"] or ()]
     if saved != running:
         raise UnsupportedRecipeError(
-            f"a checkpoint was loaded into the running fit (Lightning's learning-rate finder restores the one it "
-            f"saved before its trial steps) whose pipeline differs from the running one: saved {saved}, running "
-            f"{running}. FreezeCallback froze blocks during the trial steps: run the finder on fewer steps than an "
-            f"epoch (lr_find(num_training=...)), or find the learning rate without FreezeCallback and add it to the "
-            f"fit that follows."
+            f"a checkpoint loaded into the running fit (as Lightning's learning-rate finder loads the one it saved "
+            f"before its trial steps) must be of the running pipeline, whose blocks the ranks hold: saved {saved}, "
+            f"running {running}. Load it when a fit starts instead, Trainer.fit(ckpt_path=...), which places the "
+            f"blocks as the checkpoint needs."
         )
 
 

@@ -618,7 +618,8 @@ class ElasticPipelineStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Lightning's, keeping the block costs the saving run measured for :meth:`setup` (which follows)."""
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        self._restored_profile = (checkpoint.get("pipetx") or {}).get("block_costs")
+        if self.engine is None:  # not a load into the running fit (Lightning's learning-rate finder)
+            self._restored_profile = (checkpoint.get("pipetx") or {}).get("block_costs")
         return checkpoint
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

@@ -142,7 +142,6 @@ class PipelineMetrics:
         self.running_layout = running_layout
         self.logged_layout: Layout | None = None
         self._evaluating = False
-        self._module_metrics: list[Metric] = []  # the module's metrics when the epoch started
         self._evaluation = MetricGroups()
         self._training = MetricGroups()
         self._epoch_sync = LastStageSync(self.state_ranks)
@@ -151,7 +150,6 @@ class PipelineMetrics:
         """A training epoch starts: the last one's values are reduced by now."""
         self.logged_layout = None
         self._epoch_sync.install(module)  # metrics made since the last epoch too
-        self._module_metrics = [metric for metric in module.modules() if isinstance(metric, Metric)]
 
     @contextlib.contextmanager
     def training_step(self, module: nn.Module, topology: Topology) -> Generator[None, None, None]:
@@ -166,7 +164,8 @@ class PipelineMetrics:
             yield
         finally:
             self._training.exit()
-        forget_computed(self._module_metrics)
+        self._epoch_sync.install(module)  # a metric the step made, too
+        forget_computed(module)
 
     def evaluation_starts(self, module: nn.Module, topology: Topology) -> None:
         """Every stage updates its metrics in evaluation steps: those the epoch's sync reads from
@@ -195,13 +194,14 @@ class PipelineMetrics:
         self._epoch_sync.remove()
         self._evaluation.exit()
         self._training.exit()
-        self._evaluating, self.logged_layout, self._module_metrics = False, None, []
+        self._evaluating, self.logged_layout = False, None
 
 
-def forget_computed(metrics: list[Metric]) -> None:
+def forget_computed(module: nn.Module) -> None:
     """Drop the value each metric's last ``compute()`` cached. A metric returns that value without
     syncing until its next update, and a training step updates the copies of the last stages only:
     the other stages' cached values would be stale, and their ``compute()`` would skip the sync that
     the last stages enter."""
-    for metric in metrics:
-        metric._computed = None
+    for metric in module.modules():
+        if isinstance(metric, Metric):
+            metric._computed = None

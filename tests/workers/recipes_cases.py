@@ -9,7 +9,7 @@ from lightning.pytorch.plugins import MixedPrecision
 from tiny_models import HIDDEN, NUM_LABELS, TASKS, VOCAB, TinySequentialRegressor, make_trainer
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler
-from torchmetrics import Metric, SumMetric
+from torchmetrics import MeanMetric, Metric, SumMetric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC
 
 from lightning_pipetx import FreezeCallback
@@ -162,7 +162,7 @@ def epoch_metrics_module() -> pl.LightningModule:
     logged for the epoch; ``module.seen`` keeps what it fed them. Its validation counts the samples
     it sees, and ``on_validation_epoch_end`` computes both training metrics and that count into
     ``module.validated`` (in the sanity check too, which leaves the summed loss's computed value
-    cached)."""
+    cached), with the mean of every loss since the fit started, a metric its first step makes."""
     module = build_case_module({"model": "bert", "lr": 1e-3})
     module.train_auroc = MulticlassAUROC(NUM_LABELS)
     module.summed_loss = SummedLoss()
@@ -177,17 +177,20 @@ def epoch_metrics_module() -> pl.LightningModule:
     def on_validation_epoch_end():
         metrics = {"summed_loss": module.summed_loss, "val_samples": module.val_samples}
         if not module.trainer.sanity_checking:  # the sanity check's AUROC would have no samples
-            metrics["train_auroc"] = module.train_auroc
+            metrics.update(train_auroc=module.train_auroc, running_loss=module.running_loss)
         values = {name: float(metric.compute()) for name, metric in metrics.items()}
         if not module.trainer.sanity_checking:
             module.validated.append(values)
         module.val_samples.reset()
 
     def training_step(batch, batch_idx):
+        if not hasattr(module, "running_loss"):  # a metric made during the first epoch, on every stage
+            module.running_loss = MeanMetric()
         out = module.model(**batch)
         probs = out.logits.detach().softmax(-1)
         module.train_auroc.update(probs, batch["labels"])
         module.summed_loss.update(out.loss)
+        module.running_loss.update(out.loss.detach())
         module.seen["probs"] += probs.tolist()
         module.seen["labels"] += batch["labels"].tolist()
         module.seen["losses"].append(float(out.loss))
