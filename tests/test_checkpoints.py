@@ -9,7 +9,7 @@ import torch
 from distributed import run_workers
 from elastic_cases import build_module, reference_run
 from lightning.fabric.plugins import TorchCheckpointIO
-from lightning.pytorch.callbacks import Callback, LearningRateFinder
+from lightning.pytorch.callbacks import Callback, LearningRateFinder, ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from tiny_models import RandomVectorDataset, TinySequentialRegressor, make_trainer
 from torch.utils.data import DataLoader
@@ -155,3 +155,28 @@ def test_a_learning_rate_finder_in_mid_fit_leaves_its_checkpoint_s_profile_behin
     assert finder.optimal_lr is not None
     trainer.validate(module, loader)
     assert not trainer.strategy.autopipe.profiled
+
+
+def test_a_resume_that_fails_before_set_up_leaves_its_checkpoint_s_profile_behind(tmp_path):
+    class ProfiledAtFitStart(Callback):
+        def on_fit_start(self, trainer, pl_module):
+            self.profiled = trainer.strategy.autopipe.profiled
+
+    saving = ModelCheckpoint(dirpath=tmp_path, filename="profiled")  # in the run: with the measured costs
+    strategy = ElasticPipelineStrategy(profile_steps=2, cache=False)
+    trainer = make_trainer([saving], max_epochs=1, strategy=strategy, enable_checkpointing=True)
+    trainer.fit(TinySequentialRegressor(seed=0), DataLoader(RandomVectorDataset(size=16), batch_size=4))
+    assert torch.load(tmp_path / "profiled.ckpt", weights_only=False)["pipetx"]["block_costs"] is not None
+
+    class FailsToLoad(TinySequentialRegressor):
+        def on_load_checkpoint(self, checkpoint):
+            raise RuntimeError("not this checkpoint")
+
+    seen = ProfiledAtFitStart()
+    strategy = ElasticPipelineStrategy(profile_steps=2, cache=False)
+    trainer = make_trainer([seen], max_epochs=1, strategy=strategy, default_root_dir=tmp_path)
+    loader = DataLoader(RandomVectorDataset(size=16), batch_size=4)
+    with pytest.raises(RuntimeError, match="not this checkpoint"):
+        trainer.fit(FailsToLoad(seed=0), loader, ckpt_path=tmp_path / "profiled.ckpt")
+    trainer.fit(TinySequentialRegressor(seed=0), loader)
+    assert seen.profiled is False  # it measures its own

@@ -367,6 +367,8 @@ def test_training_metrics_of_any_state_give_the_epoch_value_of_every_replicas_sa
     run_workers("recipes_worker.py", 2, str(tmp_path), "epoch_metrics")
     reports = _reports(tmp_path, "epoch_metrics")
     assert [e["layout"] for e in reports[0]["epochs"]] == ["2x1", "1x2"]
+    for report in reports:  # 2 batches of 8; a metric the validation made counts each sample once
+        assert report["sanity_checked"]["val_samples"] == report["sanity_checked"]["made_in_validation"] == 16
     losses_so_far = []
     for epoch, replicas in enumerate((1, 2)):
         seen = [report["epochs"][epoch]["seen"] for report in reports]
@@ -383,7 +385,7 @@ def test_training_metrics_of_any_state_give_the_epoch_value_of_every_replicas_sa
             validated = report["validated"][epoch]
             assert validated["train_auroc"] == pytest.approx(auroc, abs=1e-6)
             assert validated["summed_loss"] == pytest.approx(summed_loss, rel=1e-6)
-            assert validated["val_samples"] == 32
+            assert validated["val_samples"] == validated["made_in_validation"] == 32
             assert validated["running_loss"] == pytest.approx(sum(losses_so_far) / len(losses_so_far), rel=1e-6)
 
 

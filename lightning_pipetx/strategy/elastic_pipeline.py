@@ -518,7 +518,11 @@ class ElasticPipelineStrategy(DDPStrategy):
         engine = self._require_engine()
         engine.eval_cache, indices, upcoming = self._cache_feed.validation_keys(args)  # AutoCache's, in fit
         with self.precision_plugin.val_step_context():
-            return engine.eval_step(self.lightning_module.validation_step, args[0], args[1:], kwargs, indices, upcoming)
+            output = engine.eval_step(
+                self.lightning_module.validation_step, args[0], args[1:], kwargs, indices, upcoming
+            )
+        self._metrics.evaluation_step_done(self.lightning_module)
+        return output
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
@@ -531,7 +535,9 @@ class ElasticPipelineStrategy(DDPStrategy):
             return self._eval(self.lightning_module.predict_step, args, kwargs)
 
     def _eval(self, step: Any, args: tuple, kwargs: dict) -> Any:
-        return self._require_engine().eval_step(step, args[0], args[1:], kwargs)
+        output = self._require_engine().eval_step(step, args[0], args[1:], kwargs)
+        self._metrics.evaluation_step_done(self.lightning_module)
+        return output
 
     def on_train_end(self) -> None:
         self._require_engine().check_batches(everywhere=True)
@@ -678,6 +684,7 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         self._metrics.remove()
+        self._restored_profile = None  # a run that failed before its set-up took them
         if self._output_checks is not None:
             self._output_checks.remove()
             self._output_checks = None

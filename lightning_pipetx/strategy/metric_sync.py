@@ -142,6 +142,7 @@ class PipelineMetrics:
         self.running_layout = running_layout
         self.logged_layout: Layout | None = None
         self._evaluating = False
+        self._evaluation_group: dist.ProcessGroup | None = None  # while evaluation runs under a pipeline
         self._evaluation = MetricGroups()
         self._training = MetricGroups()
         self._epoch_sync = LastStageSync(self.state_ranks)
@@ -172,11 +173,16 @@ class PipelineMetrics:
         the last stages keep doing so (a training metric's states are there alone), the others
         sync over the ranks of their stage."""
         self._evaluating = True
-        if topology.pipeline_length > 1:
-            self._evaluation.enter(module, topology.stage_group, keep=self._epoch_sync.syncs)
+        self._evaluation_group = topology.stage_group if topology.pipeline_length > 1 else None
+        self.evaluation_step_done(module)
+
+    def evaluation_step_done(self, module: nn.Module) -> None:
+        """A metric the step made syncs over its stage too."""
+        if self._evaluation_group is not None:
+            self._evaluation.enter(module, self._evaluation_group, keep=self._epoch_sync.syncs)
 
     def evaluation_ends(self) -> None:
-        self._evaluating = False
+        self._evaluating, self._evaluation_group = False, None
         self._evaluation.exit()
 
     def state_ranks(self) -> list[int] | None:
@@ -194,7 +200,7 @@ class PipelineMetrics:
         self._epoch_sync.remove()
         self._evaluation.exit()
         self._training.exit()
-        self._evaluating, self.logged_layout = False, None
+        self._evaluating, self._evaluation_group, self.logged_layout = False, None, None
 
 
 def forget_computed(module: nn.Module) -> None:

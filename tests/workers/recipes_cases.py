@@ -162,7 +162,9 @@ def epoch_metrics_module() -> pl.LightningModule:
     logged for the epoch; ``module.seen`` keeps what it fed them. Its validation counts the samples
     it sees, and ``on_validation_epoch_end`` computes both training metrics and that count into
     ``module.validated`` (in the sanity check too, which leaves the summed loss's computed value
-    cached), with the mean of every loss since the fit started, a metric its first step makes."""
+    cached), with the mean of every loss since the fit started, a metric its first step makes, and a
+    second count of validation samples, a metric the sanity check's first step makes
+    (``module.sanity_checked``: the sanity check's values)."""
     module = build_case_module({"model": "bert", "lr": 1e-3})
     module.train_auroc = MulticlassAUROC(NUM_LABELS)
     module.summed_loss = SummedLoss()
@@ -171,17 +173,24 @@ def epoch_metrics_module() -> pl.LightningModule:
     module.validated = []
 
     def validation_step(batch, batch_idx):
+        if not hasattr(module, "made_in_validation"):  # in the sanity check's first step
+            module.made_in_validation = SumMetric()
         module.model(**batch)
-        module.val_samples.update(torch.tensor(float(len(batch["labels"]))))
+        for metric in (module.val_samples, module.made_in_validation):
+            metric.update(torch.tensor(float(len(batch["labels"]))))
 
     def on_validation_epoch_end():
         metrics = {"summed_loss": module.summed_loss, "val_samples": module.val_samples}
+        metrics["made_in_validation"] = module.made_in_validation
         if not module.trainer.sanity_checking:  # the sanity check's AUROC would have no samples
             metrics.update(train_auroc=module.train_auroc, running_loss=module.running_loss)
         values = {name: float(metric.compute()) for name, metric in metrics.items()}
-        if not module.trainer.sanity_checking:
+        if module.trainer.sanity_checking:
+            module.sanity_checked = values
+        else:
             module.validated.append(values)
         module.val_samples.reset()
+        module.made_in_validation.reset()
 
     def training_step(batch, batch_idx):
         if not hasattr(module, "running_loss"):  # a metric made during the first epoch, on every stage

@@ -184,6 +184,7 @@ def main() -> None:
         report["values"] = epochs.values
         report["epochs"] = epochs.rows
         report["validated"] = getattr(module, "validated", None)
+        report["sanity_checked"] = getattr(module, "sanity_checked", None)
     else:
         report["scale"] = trainer.precision_plugin.scaler.get_scale()
     if freeze is not None:
