@@ -624,8 +624,7 @@ class ElasticPipelineStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Lightning's, keeping the block costs the saving run measured for :meth:`setup` (which follows)."""
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        if self.engine is None:  # not a load into the running fit (Lightning's learning-rate finder)
-            self._restored_profile = (checkpoint.get("pipetx") or {}).get("block_costs")
+        self._restored_profile = (checkpoint.get("pipetx") or {}).get("block_costs")
         return checkpoint
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -684,7 +683,7 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         self._metrics.remove()
-        self._restored_profile = None  # a run that failed before its set-up took them
+        self._restored_profile = None  # loaded during the run (the learning-rate finder), or before a failed set-up
         if self._output_checks is not None:
             self._output_checks.remove()
             self._output_checks = None

@@ -38,7 +38,7 @@ class MetricGroups:
     def enter(
         self, module: nn.Module, group: dist.ProcessGroup, keep: Callable[[Metric], bool] = lambda m: False
     ) -> None:
-        """Point the metrics of ``module`` without a group of their own at ``group``, but those ``keep`` names."""
+        """Point the metrics of ``module`` without a group of their own at ``group``, except those ``keep`` accepts."""
         for metric in module.modules():
             if isinstance(metric, Metric) and metric.process_group is None and not keep(metric):
                 metric.process_group = group
