@@ -61,7 +61,7 @@ class ParamStore:
 
     def released_blocks(self) -> list[int]:
         """Blocks whose weights this rank does not hold."""
-        return [i for i, block in enumerate(self.blocks) if any(id(p) in self._shapes for p in block.parameters())]
+        return [i for i, block in enumerate(self.blocks) if any(self.is_released(p) for p in block.parameters())]
 
     def release(self, keep: range) -> None:
         """Free the storage of every block outside ``keep``."""

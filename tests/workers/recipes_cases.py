@@ -180,8 +180,11 @@ def epoch_metrics_module() -> pl.LightningModule:
             metric.update(torch.tensor(float(len(batch["labels"]))))
 
     def on_validation_epoch_end():
-        metrics = {"summed_loss": module.summed_loss, "val_samples": module.val_samples}
-        metrics["made_in_validation"] = module.made_in_validation
+        metrics = {
+            "summed_loss": module.summed_loss,
+            "val_samples": module.val_samples,
+            "made_in_validation": module.made_in_validation,
+        }
         if not module.trainer.sanity_checking:  # the sanity check's AUROC would have no samples
             metrics.update(train_auroc=module.train_auroc, running_loss=module.running_loss)
         values = {name: float(metric.compute()) for name, metric in metrics.items()}
