@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 from lightning_pipetx.autocache import AutoCache, CacheControl, CacheFeed, CacheSite, TrainablePrefixError
 from lightning_pipetx.autocache.guards import InputGuard
-from lightning_pipetx.strategy.fingerprint import sample_fingerprints
+from lightning_pipetx.strategy.fingerprint import batch_fingerprint, sample_fingerprints
 from lightning_pipetx.strategy.p2p import Activation
 
 
@@ -452,6 +452,21 @@ def test_the_input_guard_compares_each_sample_with_the_last_epoch_that_saw_it():
     assert guard.take_counts().tolist() == [2, 1]
     guard.observe(torch.tensor([3]), torch.tensor([7.0], dtype=torch.float64))  # as last seen: unchanged
     assert guard.take_counts().tolist() == [1, 0]
+
+
+def test_a_batch_fingerprint_sees_every_tensor_of_the_batch():
+    # Every stage of a replica compares it: a per-batch value (a 0-dim tensor) must count too.
+    batch = {"input_ids": torch.arange(12).view(3, 4), "labels": torch.tensor([0, 1, 0]), "scale": torch.tensor(0.5)}
+    base = batch_fingerprint(batch)
+    assert torch.equal(batch_fingerprint(dict(batch)), base)
+    for key, changed in [
+        ("scale", torch.tensor(0.25)),
+        ("labels", torch.tensor([0, 0, 1])),
+        ("scale", torch.tensor(1)),
+    ]:
+        assert not torch.equal(batch_fingerprint({**batch, key: changed}), base), (key, changed)
+    two = {"first": torch.tensor(0.5), "second": torch.tensor(0.25)}
+    assert not torch.equal(batch_fingerprint(two), batch_fingerprint({"first": two["second"], "second": two["first"]}))
 
 
 def test_a_samples_fingerprint_does_not_depend_on_the_batch_it_is_in():

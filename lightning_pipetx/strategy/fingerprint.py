@@ -99,13 +99,14 @@ def hidden_state_fingerprints(hidden: torch.Tensor, device: torch.device) -> tor
 
 
 def batch_fingerprint(batch: Any, device: torch.device | None = None) -> torch.Tensor:
-    """One float64 for the whole batch, sensitive to the order of its samples."""
-    tensors = [t for t in _tensors(batch) if t.dim() > 0]
+    """One float64 for the whole batch, sensitive to the order of its samples (a 0-dim tensor
+    counts as one sample)."""
+    tensors = [t if t.dim() > 0 else t.reshape(1) for t in _tensors(batch)]
     if device is None:
         device = tensors[0].device if tensors else torch.device("cpu")
     result = torch.zeros((), dtype=torch.float64, device=device)
-    for tensor in tensors:
+    for position, tensor in enumerate(tensors, start=1):  # two tensors that swap values differ
         size = tensor.shape[0]
         per_sample = sample_fingerprints(tensor, size, device)
-        result += per_sample @ _weights(size, device) + size
+        result += (per_sample @ _weights(size, device) + size) * position
     return result
