@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import tiny_models as tm
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import BackboneFinetuning, BaseFinetuning, Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from torch import nn
 
@@ -317,6 +317,71 @@ def test_a_block_list_that_trains_nothing_is_refused():
     trainer = make_trainer([FreezeCallback(blocks="teacher.bert.encoder.layer")], max_epochs=1)
     with pytest.raises(ValueError, match="no weight of the blocks 'teacher.bert.encoder.layer' trains"):
         trainer.fit(module, tm.task_loader("bert", size=16))
+
+
+class BackboneClassifier(tm.TinyBertClassifier):
+    """A module BackboneFinetuning accepts: its encoder is ``backbone``, its optimizer takes what trains."""
+
+    @property
+    def backbone(self):
+        return self.model.bert
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+
+@pytest.mark.parametrize("freeze_first", [True, False])
+def test_backbone_finetuning_of_the_blocks_is_refused_before_training(freeze_first):
+    freeze, finetuning = FreezeCallback(signal="schedule"), BackboneFinetuning(unfreeze_backbone_at_epoch=1)
+    trainer = make_trainer([freeze, finetuning] if freeze_first else [finetuning, freeze], max_epochs=2)
+    with pytest.raises(
+        ValueError, match="BackboneFinetuning unfreezes the LightningModule's backbone.*use one of them"
+    ):
+        trainer.fit(BackboneClassifier(), tm.task_loader("bert", size=16))
+    assert trainer.global_step == 0
+
+
+class FreezeEncoder(BaseFinetuning):
+    """A finetuning callback of a user's that keeps the whole encoder frozen."""
+
+    def freeze_before_training(self, pl_module):
+        self.freeze(pl_module.model.bert.encoder)
+
+    def finetune_function(self, pl_module, epoch, optimizer):
+        pass
+
+
+@pytest.mark.parametrize("freeze_first", [True, False])
+def test_a_finetuning_callback_that_froze_every_block_is_named(freeze_first):
+    freeze, finetuning = FreezeCallback(), FreezeEncoder()
+    trainer = make_trainer([freeze, finetuning] if freeze_first else [finetuning, freeze], max_epochs=1)
+    with pytest.raises(ValueError, match="no weight of the blocks .* trains .*; FreezeEncoder among the callbacks"):
+        trainer.fit(BackboneClassifier(), tm.task_loader("bert", size=16))
+    assert trainer.global_step == 0
+
+
+class UnfreezeAt(Callback):
+    """Makes every weight trainable again when epoch ``epoch`` starts."""
+
+    def __init__(self, epoch):
+        self.epoch = epoch
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == self.epoch:
+            pl_module.requires_grad_(True)
+
+
+@pytest.mark.parametrize("strategy", ["one device", "ElasticPipelineStrategy"])
+def test_a_frozen_weight_made_trainable_again_is_refused_before_it_would_train(tmp_path, strategy):
+    # Freezing by schedule with alpha=1/2: 2 of 4 blocks after epoch 0, 3 after epoch 1.
+    if strategy == "one device":
+        trainer = make_trainer([FreezeCallback(alpha=1 / 2, signal="schedule"), UnfreezeAt(2)], max_epochs=3)
+    else:
+        trainer = tm.cached_trainer(tmp_path, cache=True, callbacks=[UnfreezeAt(2)], max_epochs=3)
+    pattern = r"froze the first 3 blocks and the weights before them, but 'model\.bert\.embeddings\.\S+' was made"
+    with pytest.raises(ValueError, match=pattern):
+        trainer.fit(tm.TinyBertClassifier(), tm.task_loader("bert", size=16))
+    assert trainer.current_epoch == 2 and trainer.global_step == 4  # before epoch 2's first step
 
 
 class BuiltInConfigureModel(tm.TinyBertClassifier):

@@ -90,9 +90,10 @@ def test_the_moved_weight_freezes_with_the_prefix_and_survives_a_checkpoint():
 
 
 class _TrainerStub:
-    """What FreezeCallback.setup reads of a Trainer: its strategy."""
+    """What FreezeCallback.setup reads of a Trainer: its strategy and callbacks."""
 
     strategy = SingleDeviceStrategy(torch.device("cpu"))
+    callbacks = []
 
 
 def test_a_pipeline_agrees_over_its_ranks_and_trains_as_one_process(tmp_path):

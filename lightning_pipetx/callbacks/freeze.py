@@ -12,15 +12,19 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 
-from lightning_pipetx.blocks import BlockListNotFoundError, BlockSplit, block_lists_in_pre, find_blocks
+from lightning_pipetx.blocks import BlockListNotFoundError, BlockSplit, find_blocks
 from lightning_pipetx.callbacks.block_norms import IntervalNorms
 from lightning_pipetx.callbacks.freeze_boundary import FreezeBoundary
+from lightning_pipetx.callbacks.freeze_conflicts import (
+    ONE_FREEZER,
+    finetuning_callbacks,
+    refuse_backbone_finetuning,
+    refuse_retrained,
+)
 from lightning_pipetx.callbacks.freeze_context import (
     agreed_block_path,
-    all_reduce_max,
     all_reduce_mean,
     gradients_outside_blocks_finite,
     loss_scale_left_in,
@@ -31,7 +35,7 @@ from lightning_pipetx.callbacks.freeze_context import (
 )
 from lightning_pipetx.callbacks.freeze_guard import FreezeGuard
 from lightning_pipetx.callbacks.freeze_rule import FreezeDecision, decide
-from lightning_pipetx.pre_trace import PreTrace
+from lightning_pipetx.callbacks.prefix_findings import PrefixFindings
 from lightning_pipetx.strategy.elastic_pipeline import ElasticPipelineStrategy
 
 log = logging.getLogger("lightning_pipetx")
@@ -52,7 +56,8 @@ class FreezeCallback(Callback):
     with the smallest gradient norm accumulated over the interval (that block included), and
     ``L - min_active_blocks``. Freezing ``F`` blocks turns off ``requires_grad`` for ``pre``
     (embeddings) and blocks ``[0, F)``, keeps them in eval mode (no dropout) and so takes
-    them out of backward and of the optimizer step. Blocks are never unfrozen. A weight
+    them out of backward and of the optimizer step. Blocks are never unfrozen: a frozen weight that
+    other code makes trainable again (``BackboneFinetuning``) stops the run with an error. A weight
     registered after the blocks that the first training step reads only before block 0
     (MPNet's relative position bias) counts as ``pre``.
 
@@ -112,12 +117,10 @@ class FreezeCallback(Callback):
         self.last_decision: FreezeDecision | None = None
         self._norms = IntervalNorms()
         self._split: BlockSplit | None = None
+        self._frozen_params: list[torch.nn.Parameter] = []  # frozen by this fit, to stay so
         self._boundary = FreezeBoundary()
         self._backward_ran = False  # since the last optimizer step
-        self._pre_weights: list[str] | None = None  # found by the first training step's trace
-        self._post_weights: list[str] = []  # the same
-        self._post_modules: list[str] = []  # the same
-        self._trace: PreTrace | None = None
+        self._findings = PrefixFindings()
         self._epoch_samples = 0
         self._epoch_seconds = 0.0
         self._last_tick = 0.0
@@ -136,16 +139,17 @@ class FreezeCallback(Callback):
     def pre_weights(self) -> list[str] | None:
         """Weights registered after the blocks that the first training step read only before
         them: they freeze with the prefix (None until that step ran)."""
-        return self._pre_weights
+        return self._findings.pre_weights
 
     @property
     def post_weights(self) -> list[str]:
         """Weights registered before the blocks from which the first training step computed no
         block's input (a head assigned before the backbone): they train on."""
-        return self._post_weights
+        return self._findings.post_weights
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._state_loaded = False  # until a checkpoint's state is loaded
+        self._frozen_params = []
         strategy = trainer.strategy
         if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
             raise ValueError(
@@ -161,16 +165,12 @@ class FreezeCallback(Callback):
                 raise
             self._split = None  # built in configure_model, which Lightning calls after this hook
             return
-        self._check_split(fitting=stage == "fit")
+        self._check_split(trainer, pl_module, fitting=stage == "fit")
 
-    def _check_split(self, fitting: bool) -> None:
-        self._apply_trace()
-        trains = any(p.requires_grad for p in self._split.blocks.parameters())
-        if fitting and self.frozen_blocks == 0 and not trains:  # model.freeze() before validate or predict is fine
-            raise ValueError(
-                f"FreezeCallback: no weight of the blocks {self._split.path!r} trains (requires_grad=False "
-                f"everywhere), so there is nothing to freeze. Pass blocks='...' naming the block list you train."
-            )
+    def _check_split(self, trainer: pl.Trainer, pl_module: pl.LightningModule, fitting: bool) -> None:
+        self._split = self._findings.applied(self._split)
+        if fitting:
+            refuse_backbone_finetuning(trainer, pl_module, self._split)
         num_blocks = self._split.num_blocks
         if num_blocks <= self.min_active_blocks:
             raise ValueError(
@@ -179,22 +179,11 @@ class FreezeCallback(Callback):
             )
         self._norms.resize(num_blocks)
 
-    def _apply_trace(self) -> None:
-        if self._split is None or self._pre_weights is None:
-            return
-        root = self._split.root
-        names = {name for name, _ in root.named_parameters()}
-        modules = {name for name, _ in root.named_modules()}
-        if names.issuperset(self._pre_weights + self._post_weights) and modules.issuperset(self._post_modules):
-            split = self._split.with_pre_weights(self._pre_weights).with_post_weights(self._post_weights)
-            self._split = split.with_post_modules(self._post_modules)
-        else:  # found on another model: trace this one's first step
-            self._pre_weights, self._post_weights, self._post_modules = None, [], []
-
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._split is None:  # the model was built in configure_model
             self._split = find_blocks(pl_module, agreed_block_path(self.blocks, trainer.strategy))
-            self._check_split(fitting=True)
+            self._check_split(trainer, pl_module, fitting=True)
+        self._refuse_untrained_blocks(trainer)
         if not isinstance(trainer.strategy, ElasticPipelineStrategy):
             return
         pipelined = trainer.strategy.block_path  # found at its set-up, which follows this callback's
@@ -203,6 +192,17 @@ class FreezeCallback(Callback):
                 f"FreezeCallback would freeze the blocks of {self.split.path!r} while ElasticPipelineStrategy "
                 f"pipelines those of {pipelined!r}. Pass the same blocks=... to both."
             )
+
+    def _refuse_untrained_blocks(self, trainer: pl.Trainer) -> None:
+        """At the start of fit, after every callback's ``setup`` (a finetuning callback freezes
+        weights in its own): some block must train. (``model.freeze()`` before validate is fine.)"""
+        if self.frozen_blocks or any(p.requires_grad for p in self.split.blocks.parameters()):
+            return
+        what = f"FreezeCallback: no weight of the blocks {self.split.path!r} trains (requires_grad=False everywhere)"
+        finetuning = finetuning_callbacks(trainer)
+        if finetuning:
+            raise ValueError(f"{what}; {' and '.join(finetuning)} among the callbacks freezes weights. {ONE_FREEZER}")
+        raise ValueError(f"{what}, so there is nothing to freeze. Pass blocks='...' naming the block list you train.")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_tick = time.perf_counter()  # a run resumed mid-epoch skips on_train_epoch_start
@@ -239,51 +239,19 @@ class FreezeCallback(Callback):
         # Lightning calls module.train() at epoch start and after validation.
         self._set_prefix_eval()
         self._boundary.in_training_step = True
-        if self._pre_weights is None and self._trace is None:
-            self._trace = PreTrace(self.split)
-            self._trace.start()
+        refuse_retrained(trainer, pl_module, self._frozen_params, self.frozen_blocks)
+        self._findings.start(self._split)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._boundary.in_training_step = False
-        if self._trace is not None:
-            self._end_trace(trainer)
+        self._split = self._findings.end(self._split, trainer)
         now = time.perf_counter()
         self._epoch_seconds += now - self._last_tick
         self._last_tick = now
         with contextlib.suppress(Exception):  # a batch with no tensor: throughput is not known
             self._epoch_samples += extract_batch_size(batch)
-
-    def _end_trace(self, trainer: pl.Trainer) -> None:
-        """Count the weights the first step read only before block 0 as ``pre`` (a collective)."""
-        trace, self._trace = self._trace, None
-        trace.stop()
-        # A pipeline's first stage never runs the head: combine what every rank saw.
-        reads = all_reduce_max(trace.reads.to(torch.float64)) if trace.names else trace.reads
-        seen = torch.stack([trace.feeds_blocks, trace.pre_reads]).to(torch.float64)
-        seen = all_reduce_max(seen) if trace.pre_names_registered else seen
-        self._pre_weights, self._post_weights = trace.pre_names(reads), trace.post_names(seen)
-        calls = all_reduce_max(trace.module_calls.to(torch.float64)) if trace.module_names else trace.module_calls
-        self._post_modules = trace.post_modules(calls)
-        self._apply_trace()
-        for path in block_lists_in_pre(self.split):
-            rank_zero_warn(
-                f"FreezeCallback freezes the blocks of {self.split.path!r}; the block list {path!r}, registered "
-                f"before them, is part of their prefix and freezes whole with the first block. Pass blocks='...' to "
-                f"freeze another list."
-            )
-        if self._pre_weights and trainer.is_global_zero:
-            log.info("pipetx: %s, read only before the blocks, freeze with them", ", ".join(self._pre_weights))
-        if self._post_weights and trainer.is_global_zero:
-            log.info(
-                "pipetx: %s, registered before the blocks but feeding none, train on", ", ".join(self._post_weights)
-            )
-        if self._post_modules and trainer.is_global_zero:
-            log.info(
-                "pipetx: %s, registered before the blocks but called after them, keep their mode",
-                ", ".join(self._post_modules),
-            )
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
@@ -291,9 +259,7 @@ class FreezeCallback(Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._boundary.remove()  # Lightning skips the callbacks' teardown after an error
-        if self._trace is not None:
-            self._trace.stop()
-            self._trace = None
+        self._findings.abandon()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Validation inside a training epoch is not training time.
@@ -426,7 +392,8 @@ class FreezeCallback(Callback):
 
     # ------------------------------------------------------------------ action
     def _apply(self, trainer: pl.Trainer) -> None:
-        for param in self.split.prefix_parameters(self.frozen_blocks):
+        self._frozen_params = self.split.prefix_parameters(self.frozen_blocks)
+        for param in self._frozen_params:
             param.requires_grad_(False)
             param.grad = None
         self._set_prefix_eval()
@@ -455,9 +422,7 @@ class FreezeCallback(Callback):
             "norm_steps": steps,
             "guard": None if self.guard is None else self.guard.state_dict(),
             "observed": None if self._observed is None else self._mean_observed(),  # not judged yet
-            "pre_weights": self._pre_weights,
-            "post_weights": self._post_weights,
-            "post_modules": self._post_modules,
+            **self._findings.state_dict(),
             "epochs_ended": self._epochs_ended,
         }
 
@@ -465,12 +430,10 @@ class FreezeCallback(Callback):
         self.frozen_blocks = int(state_dict["frozen_blocks"])
         self.decisions = int(state_dict["decisions"])
         self._norms.load(state_dict.get("norm_sums"), int(state_dict.get("norm_steps", 0)))
-        self._pre_weights = state_dict.get("pre_weights")
-        self._post_weights = state_dict.get("post_weights") or []
-        self._post_modules = state_dict.get("post_modules") or []
+        self._findings.load_state_dict(state_dict)
         self._epochs_ended = state_dict.get("epochs_ended")  # None in a checkpoint written before it was kept
         self._state_loaded = True
-        self._apply_trace()
+        self._split = self._findings.applied(self._split)
         if self.guard is not None and state_dict.get("guard") is not None:
             self.guard.load_state_dict(state_dict["guard"])
             self._observed = state_dict.get("observed")
