@@ -13,8 +13,11 @@ from distributed import run_workers
 from equivalence_cases import reference_run
 
 
-def _case(name, model, pipeline_length, schedule="gpipe", clip=0.0, accumulate=1, microbatches=2, optimizer="adamw"):
+def _case(
+    name, model, pipeline_length, schedule="gpipe", clip=0.0, accumulate=1, microbatches=2, optimizer="adamw", **extra
+):
     return {
+        **extra,
         "optimizer": optimizer,
         "name": name,
         "model": model,
@@ -40,6 +43,7 @@ TWO_PROCESS_CASES = [
     _case("gpt2_k2_gpipe_clip", "gpt2", 2, "gpipe", clip=0.05),  # embedding tied to the head: stages 0 and 1
     _case("t5_k2_1f1b", "t5", 2, "1f1b", microbatches=3),  # position bias passed from block to block
     _case("mpnet_k2_1f1b", "mpnet", 2, "1f1b", microbatches=3),  # position bias from a weight every stage uses
+    _case("bert_k2_1f1b_pops_labels", "bert", 2, "1f1b", pops_labels=True),  # the batch changes before the model call
 ]
 FOUR_PROCESS_CASES = [
     _case("bert_k2_d2_gpipe_clip_accum", "bert", 2, "gpipe", clip=0.05, accumulate=2),

@@ -19,6 +19,7 @@ its receive is posted.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
@@ -166,9 +167,7 @@ class StageRunner:
         self._mismatches: torch.Tensor | None = None  # micro-batches whose fingerprint differed, on device
 
     # ------------------------------------------------------- communication
-    def _receive_activation(
-        self, outbox: list[tuple[torch.Tensor, int]], microbatch: Any, expected: tuple | None = None
-    ) -> Activation:
+    def _receive_activation(self, outbox: list[tuple[torch.Tensor, int]], expected: tuple | None = None) -> Activation:
         """``expected``: the layout of the step's previous activation from this peer, whose
         buffers are posted with the header; None: the header first, then the payload."""
         prev, device = self.topology.prev_rank, self.channel.device
@@ -178,9 +177,6 @@ class StageRunner:
         act, arrived = allocate(header, device, guess)
         if not arrived:
             self.channel.exchange([], self._from_prev(act))
-        if act.fingerprint is not None:
-            differs = batch_fingerprint(microbatch, device) != act.fingerprint
-            self._mismatches = differs.int() if self._mismatches is None else self._mismatches + differs.int()
         grad_enabled = torch.is_grad_enabled()
         tensors = tuple(
             None if t is None else t.requires_grad_(need and grad_enabled)
@@ -201,9 +197,19 @@ class StageRunner:
         payload = [t.detach().contiguous() for t in act.tensors if t is not None]
         return [(t, self.topology.next_rank) for t in [header, *stand_in, *payload]]
 
+    def _compare_batch(self, microbatch: Any, fingerprint: torch.Tensor | None) -> None:
+        """Count ``microbatch`` as read differently here if its fingerprint is not the sender's (taken
+        at the same point of the step: where the model call reaches the stage's blocks)."""
+        if fingerprint is not None:
+            differs = (batch_fingerprint(microbatch, self.channel.device) != fingerprint).int()
+            self._mismatches = differs if self._mismatches is None else self._mismatches + differs
+
     def receive_activation(self, microbatch: Any) -> Activation:
-        """Receive the hidden state of ``microbatch`` from the previous stage (evaluation)."""
-        return self._receive_activation([], microbatch)
+        """Receive the hidden state of ``microbatch`` from the previous stage (evaluation, inside
+        the model call)."""
+        act = self._receive_activation([])
+        self._compare_batch(microbatch, act.fingerprint)
+        return act
 
     def send_activation(self, act: Activation, microbatch: Any) -> None:
         """Send the hidden state of ``microbatch`` on to the next stage (evaluation)."""
@@ -250,6 +256,10 @@ class StageRunner:
         """Run one micro-batch's forward; returns it in flight and the activation to send on."""
         topo, hooks = self.topology, self.hooks
         hooks.incoming, hooks.calls = incoming, BlockCalls("training_step", refuse_repeats=topo.pipeline_length > 1)
+        if incoming is not None and incoming.fingerprint is not None:
+            # Compared where the step's model call reaches this stage's blocks, as the sender took it
+            # at its boundary: code before the call may change the batch (``labels = batch.pop(...)``).
+            hooks.on_incoming = functools.partial(self._compare_batch, microbatch, incoming.fingerprint)
         try:
             with self.microbatch_context(position):
                 output = step_fn(microbatch)
@@ -258,7 +268,7 @@ class StageRunner:
             sent = act if any(act.needs_grad) else None
             return _InFlight(incoming, sent), act
         finally:
-            hooks.incoming, hooks.calls = None, None
+            hooks.incoming, hooks.calls, hooks.on_incoming = None, None, None
         if not topo.is_last_stage:
             raise RuntimeError(
                 f"stage {topo.stage} finished its step without reaching block {self.hooks.end - 1}: the "
@@ -320,7 +330,7 @@ class StageRunner:
                 if topo.is_first_stage:
                     self.channel.exchange(outbox, [])
                 else:
-                    incoming = self._receive_activation(outbox, microbatches[i], received)
+                    incoming = self._receive_activation(outbox, received)
                     received = incoming.layout
                 flight, act = self._forward(microbatches[i], step_fn, i, incoming)
                 outbox = [] if act is None else self._activation_sends(act, microbatches[i], sent)

@@ -42,9 +42,19 @@ class _Predicting:
         return out.logits if hasattr(out, "logits") else out
 
 
+class _PoppingLabels:
+    """A ``training_step`` that pops the labels from its batch before the model call, as many
+    Hugging Face recipes do: the batch every stage compares changes inside the step."""
+
+    def training_step(self, batch, batch_idx):
+        labels = batch.pop("labels")
+        return torch.nn.functional.cross_entropy(self.model(**batch).logits, labels)
+
+
 def build_case_module(case: dict) -> pl.LightningModule:
     base = type(build_task(case["model"], seed=0, dropout=0.0))
-    cls = type(f"Predicting{base.__name__}", (_Predicting, base), {})
+    mixins = (_PoppingLabels, _Predicting) if case.get("pops_labels") else (_Predicting,)
+    cls = type(f"Predicting{base.__name__}", (*mixins, base), {})
     module = cls(seed=case.get("seed", 0), lr=case.get("lr", 1e-3), dropout=0.0)
     module.optimizer_name = case.get("optimizer", "adamw")
     return module
