@@ -55,7 +55,7 @@ class OutputRelay:
         self.hooks = hooks
         self.runner = runner
         self.device = torch.device(device)
-        self._batch: Any = None
+        self._fingerprint: torch.Tensor | None = None  # the evaluation batch's, before its step
         self._active = False
         self._depth = 0
         self._saved: list[Any] = []
@@ -74,11 +74,11 @@ class OutputRelay:
         self._saved = []
 
     def begin(self, batch: Any) -> None:
-        """Relay the model calls of the evaluation step that reads ``batch``."""
-        self._batch, self._active, self._depth = batch, True, 0
+        """Relay the model calls of the evaluation step that reads ``batch`` (before it runs)."""
+        self._fingerprint, self._active, self._depth = self.runner.fingerprint(batch), True, 0
 
     def end(self) -> None:
-        self._batch, self._active, self._depth = None, False, 0
+        self._fingerprint, self._active, self._depth = None, False, 0
 
     def _forward(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
         if not self._active or self._depth > 0:
@@ -93,11 +93,11 @@ class OutputRelay:
     def _run_stage(self, original: Callable, args: tuple, kwargs: dict) -> Any:
         topo = self.topology
         if not topo.is_first_stage:
-            self.hooks.incoming = self.runner.receive_activation(self._batch)
+            self.hooks.incoming = self.runner.receive_activation(self._fingerprint)
         try:
             output = original(*args, **kwargs)
         except StageExit as boundary:
-            self.runner.send_activation(boundary.activation, self._batch)
+            self.runner.send_activation(boundary.activation, self._fingerprint)
             return None
         finally:
             self.hooks.incoming = None

@@ -85,7 +85,6 @@ class StageHooks:
         self.on_capture: Callable[[], None] | None = None
         self.on_uncacheable: Callable[[str], None] | None = None  # why the micro-batch's prefix cannot be cached
         self.on_prefix_input: Callable[[torch.Tensor], None] | None = None  # block 0's hidden state, for AutoCache
-        self.on_incoming: Callable[[], None] | None = None  # called once, when the step first reads ``incoming``
         self.calls: BlockCalls | None = None  # what the current micro-batch's step called, while counted
         self._saved: dict[int, Any] = {}
 
@@ -195,9 +194,6 @@ class StageHooks:
                 "checkpoint inside each block (Hugging Face's gradient_checkpointing_enable), or pass "
                 "pipeline_length=1."
             )
-        if self.on_incoming is not None:
-            on_incoming, self.on_incoming = self.on_incoming, None
-            on_incoming()
         return self.incoming
 
 

@@ -19,7 +19,6 @@ its receive is posted.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
@@ -189,31 +188,35 @@ class StageRunner:
         return [] if act is None else [(t, self.topology.prev_rank) for t in act.tensors if t is not None]
 
     def _activation_sends(
-        self, act: Activation, microbatch: Any, expected: tuple | None = None
+        self, act: Activation, fingerprint: torch.Tensor, expected: tuple | None = None
     ) -> list[tuple[torch.Tensor, int]]:
-        """``expected``: the layout the next stage posted buffers of (the step's previous activation's)."""
+        """``fingerprint``: the micro-batch's, as the step received it; ``expected``: the layout the
+        next stage posted buffers of (the step's previous activation's)."""
         stand_in = [] if expected is None else stand_in_sends(expected, act)
-        header = act.header(batch_fingerprint(microbatch, act.tensor.device), stand_in=bool(stand_in))
+        header = act.header(fingerprint, stand_in=bool(stand_in))
         payload = [t.detach().contiguous() for t in act.tensors if t is not None]
         return [(t, self.topology.next_rank) for t in [header, *stand_in, *payload]]
 
-    def _compare_batch(self, microbatch: Any, fingerprint: torch.Tensor | None) -> None:
-        """Count ``microbatch`` as read differently here if its fingerprint is not the sender's (taken
-        at the same point of the step: where the model call reaches the stage's blocks)."""
-        if fingerprint is not None:
-            differs = (batch_fingerprint(microbatch, self.channel.device) != fingerprint).int()
+    def fingerprint(self, microbatch: Any) -> torch.Tensor:
+        """The fingerprint stages compare: of the micro-batch as the loader gave it, before the step
+        runs (a step may change its batch, ``labels = batch.pop("labels")``, on every stage alike)."""
+        return batch_fingerprint(microbatch, self.channel.device)
+
+    def _compare_batch(self, fingerprint: torch.Tensor, received: torch.Tensor | None) -> None:
+        """Count the micro-batch as read differently here if its fingerprint is not the sender's."""
+        if received is not None:
+            differs = (fingerprint != received).int()
             self._mismatches = differs if self._mismatches is None else self._mismatches + differs
 
-    def receive_activation(self, microbatch: Any) -> Activation:
-        """Receive the hidden state of ``microbatch`` from the previous stage (evaluation, inside
-        the model call)."""
+    def receive_activation(self, fingerprint: torch.Tensor) -> Activation:
+        """Receive the hidden state of the micro-batch of ``fingerprint`` from the previous stage (evaluation)."""
         act = self._receive_activation([])
-        self._compare_batch(microbatch, act.fingerprint)
+        self._compare_batch(fingerprint, act.fingerprint)
         return act
 
-    def send_activation(self, act: Activation, microbatch: Any) -> None:
-        """Send the hidden state of ``microbatch`` on to the next stage (evaluation)."""
-        self.channel.exchange(self._activation_sends(act, microbatch), [])
+    def send_activation(self, act: Activation, fingerprint: torch.Tensor) -> None:
+        """Send the hidden state of the micro-batch of ``fingerprint`` on to the next stage (evaluation)."""
+        self.channel.exchange(self._activation_sends(act, fingerprint), [])
         self.channel.flush()
 
     def check_batches(self, everywhere: bool) -> None:
@@ -256,10 +259,6 @@ class StageRunner:
         """Run one micro-batch's forward; returns it in flight and the activation to send on."""
         topo, hooks = self.topology, self.hooks
         hooks.incoming, hooks.calls = incoming, BlockCalls("training_step", refuse_repeats=topo.pipeline_length > 1)
-        if incoming is not None and incoming.fingerprint is not None:
-            # Compared where the step's model call reaches this stage's blocks, as the sender took it
-            # at its boundary: code before the call may change the batch (``labels = batch.pop(...)``).
-            hooks.on_incoming = functools.partial(self._compare_batch, microbatch, incoming.fingerprint)
         try:
             with self.microbatch_context(position):
                 output = step_fn(microbatch)
@@ -268,7 +267,7 @@ class StageRunner:
             sent = act if any(act.needs_grad) else None
             return _InFlight(incoming, sent), act
         finally:
-            hooks.incoming, hooks.calls, hooks.on_incoming = None, None, None
+            hooks.incoming, hooks.calls = None, None
         if not topo.is_last_stage:
             raise RuntimeError(
                 f"stage {topo.stage} finished its step without reaching block {self.hooks.end - 1}: the "
@@ -327,13 +326,15 @@ class StageRunner:
                 self.on_last_backward()
             if kind == "F":
                 incoming = None
+                fingerprint = self.fingerprint(microbatches[i]) if topo.pipeline_length > 1 else None
                 if topo.is_first_stage:
                     self.channel.exchange(outbox, [])
                 else:
                     incoming = self._receive_activation(outbox, received)
                     received = incoming.layout
+                    self._compare_batch(fingerprint, incoming.fingerprint)
                 flight, act = self._forward(microbatches[i], step_fn, i, incoming)
-                outbox = [] if act is None else self._activation_sends(act, microbatches[i], sent)
+                outbox = [] if act is None else self._activation_sends(act, fingerprint, sent)
                 sent = None if act is None else act.layout
                 if topo.is_last_stage:
                     outputs[i] = flight.output

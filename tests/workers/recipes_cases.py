@@ -305,6 +305,18 @@ def fp16_plugin() -> MixedPrecision:
     return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12))
 
 
+def popping_module() -> pl.LightningModule:
+    """A tiny BERT whose training_step takes every field out of its batch before the model call."""
+    module = build_case_module({"model": "bert", "lr": 1e-3, "pops_labels": True})
+
+    def training_step(batch, batch_idx):
+        fields = {key: batch.pop(key) for key in list(batch)}
+        return module.model(**fields).loss
+
+    module.training_step = training_step
+    return module
+
+
 def random_masking(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Stack, then replace 15% of the tokens by a mask id at random (an MLM collator's habit)."""
     batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}

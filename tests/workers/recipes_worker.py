@@ -1,7 +1,7 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
 rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls) [resume CKPT]
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped) [resume CKPT]
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do) and
 "own_sampler" turns Lightning's distributed sampler off: both give the two stages different
@@ -29,6 +29,7 @@ from recipes_cases import (
     hook_counting_module,
     intermediates_module,
     plateau_module,
+    popping_module,
     random_masking,
     scheduled_module,
     shared_list_module,
@@ -127,6 +128,8 @@ def main() -> None:
     freeze = FreezeCallback() if mode.startswith("fp16") else None  # measures gradient norms per step
     if mode.startswith("scheduled_uneven") or mode in ("summed_count", "epoch_metrics"):  # 2x1 -> 1x2 after epoch 0
         freeze = FreezeCallback(alpha=3 / 4, signal="schedule")
+    if mode == "pruning_replicas":  # 2 and 3 of 4 blocks frozen after epochs 0 and 1, pruned after each epoch
+        freeze = FreezeCallback(alpha=1 / 2, signal="schedule")
     names = {"summed_count": ["count", "pipetx/pipeline_length"], "epoch_metrics": ["train_auroc", "summed_loss"]}
     epochs = EpochSteps(names.get(mode, ()))
     resume = sys.argv[sys.argv.index("resume") + 1] if "resume" in sys.argv else None
@@ -166,7 +169,7 @@ def main() -> None:
         loader = train_loader(batch, size=39, drop_last=True)
     if mode == "scheduled_uneven_sampler":  # the same, through a sampler of the user's (Lightning wraps it)
         loader = train_loader(batch, sampler=SeededOrder(39), size=39, drop_last=True)
-    if mode == "random_collate":
+    if mode.startswith("random_collate"):
         loader = torch.utils.data.DataLoader(loader.dataset, batch_size=GLOBAL_BATCH, collate_fn=random_masking)
     trainer.fit(module, loader, loader if mode in ("plateau", "epoch_metrics") else None, ckpt_path=resume)
     report = {"summary_parameters": summary.total_parameters}
