@@ -10,12 +10,15 @@ import pytest
 import tiny_models as tm
 import torch
 from distributed import run_workers
+from lightning.pytorch.callbacks import ModelPruning
 from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 from lightning_pipetx.autocache import AutoCache, CacheControl, CacheFeed, CacheSite, TrainablePrefixError
+from lightning_pipetx.autocache.frozen_weights import FrozenWeightsChangedError, FrozenWeightsGuard, exact_fingerprint
 from lightning_pipetx.autocache.guards import InputGuard
+from lightning_pipetx.blocks import find_blocks
 from lightning_pipetx.strategy.fingerprint import batch_fingerprint, sample_fingerprints
 from lightning_pipetx.strategy.p2p import Activation
 
@@ -452,6 +455,78 @@ def test_the_input_guard_compares_each_sample_with_the_last_epoch_that_saw_it():
     assert guard.take_counts().tolist() == [2, 1]
     guard.observe(torch.tensor([3]), torch.tensor([7.0], dtype=torch.float64))  # as last seen: unchanged
     assert guard.take_counts().tolist() == [1, 0]
+
+
+def _block_pruning(module):
+    """Lightning's ModelPruning of the block list's linear layers: 20% more at each epoch's end."""
+    layers = [(m, "weight") for m in module.model.bert.encoder.layer.modules() if isinstance(m, nn.Linear)]
+    return ModelPruning(
+        "l1_unstructured", parameters_to_prune=layers, amount=0.2, use_global_unstructured=False, verbose=0
+    )
+
+
+def test_pruning_frozen_blocks_switches_the_cache_off_before_it_serves_a_stale_state(tmp_path, caplog):
+    # The blocks frozen after epoch 0 are pruned again after epoch 1: the states cached in epoch 1
+    # no longer stand for them, so epoch 2 computes them (it would have served them).
+    data = tm.RandomTokenDataset(size=32, seed=1)
+    module = tm.TinyBertClassifier(seed=0, dropout=0.0)
+    uncached, _, _ = fit(False, data, tmp_path, module=module, watch=[_block_pruning(module)])
+    module = tm.TinyBertClassifier(seed=0, dropout=0.0)
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        cached, rates, _ = fit("auto", data, tmp_path, module=module, watch=[_block_pruning(module)])
+    _same(cached, uncached)
+    messages = [r.message for r in caplog.records if "AutoCache switched off" in r.message]
+    assert len(messages) == 1 and "the frozen prefix changed after states were cached" in messages[0]
+    assert "'model.bert.encoder.layer.0.attention.output.dense.weight_mask'" in messages[0]
+    assert all(rate in (None, 0.0) for rate in rates)
+    module = tm.TinyBertClassifier(seed=0, dropout=0.0)
+    with pytest.raises(FrozenWeightsChangedError, match=r"cache=True\): the frozen prefix changed .* ModelPruning"):
+        fit(True, data, tmp_path, module=module, watch=[_block_pruning(module)])
+
+
+def test_the_frozen_weights_guard_compares_what_this_rank_computed_at_both_checks():
+    module = tm.TinyBertClassifier(seed=0, dropout=0.0)
+    split = find_blocks(module)
+    query = split.blocks[0].attention.self.query
+    name = "model.bert.encoder.layer.0.attention.self.query.weight"
+    guard = FrozenWeightsGuard()
+    assert guard.changed() == []  # nothing watched yet
+    computed_here = lambda m: True  # noqa: E731
+    guard.watch(module, split, 1, computed_here)
+    assert guard.changed() == []  # the first check takes the reference
+    guard.watch(module, split, 2, computed_here)
+    assert guard.changed() == []  # the prefix grew; nothing changed
+    with torch.no_grad():
+        query.weight[0, 0] += 1e-3
+    assert guard.changed() == [name]
+    torch.nn.utils.prune.l1_unstructured(query, "weight", amount=0.5)  # weight -> weight_orig, weight_mask
+    assert guard.changed() == [name, name + "_mask", name + "_orig"]
+    with torch.no_grad():  # a mask that moves, as many zeros as before
+        query.weight_mask.copy_(query.weight_mask.flip(1))
+    assert guard.changed() == [name + "_mask"]
+    elsewhere = lambda m: m is not split.blocks[1]  # noqa: E731 - another rank computes block 1
+    guard.watch(module, split, 2, elsewhere)
+    guard.changed()
+    with torch.no_grad():
+        split.blocks[1].output.dense.weight.mul_(2)  # its values arrive with a transition
+    guard.watch(module, split, 2, computed_here)
+    assert guard.changed() == []
+    guard.watch(module, split, 2, elsewhere)
+    assert guard.changed() == []  # and leave with the next
+
+
+def test_an_exact_fingerprint_sees_one_value_and_not_the_order_of_summation():
+    tensors = [torch.randn(5, 3), torch.randn(4).to(torch.bfloat16), torch.rand(6) > 0.5, torch.randn(3, 2).double()]
+    tensors += [torch.randn(7).to(torch.float16), torch.randn(4, 8)[:, 1:4]]  # odd byte count; a strided view
+    for tensor in tensors:
+        base = exact_fingerprint(tensor)
+        assert base.dtype == torch.int64 and base.shape == (2,)
+        changed = tensor.clone()
+        flat = changed.view(-1)
+        flat[1] = ~flat[1] if tensor.dtype == torch.bool else flat[1] * 0.5 + 1
+        assert not torch.equal(exact_fingerprint(changed), base), tensor.dtype
+        assert torch.equal(exact_fingerprint(tensor.clone()), base)
+    assert exact_fingerprint(torch.zeros(0)).tolist() == [0, 0]
 
 
 def test_a_batch_fingerprint_sees_every_tensor_of_the_batch():

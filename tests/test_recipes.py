@@ -213,6 +213,22 @@ def test_weight_averaging_under_a_pipeline_is_refused(tmp_path):
     assert "EMAWeightAveraging under a 2-stage pipeline" in output and "pipeline_length=1" in output
 
 
+def test_model_pruning_under_a_pipeline_is_refused(tmp_path):
+    # Its masks are computed from the values of every weight it prunes; a rank holds only its stage's blocks.
+    output = run_workers("recipes_worker.py", 2, str(tmp_path), "pruning", expect_failure=True)
+    _raised_on_both_ranks(output, "lightning_pipetx.strategy.model_checks.UnsupportedRecipeError")
+    assert "ModelPruning under a 2-stage pipeline" in output and "pipeline_length=1" in output
+
+
+def test_pruning_frozen_blocks_of_replicas_switches_their_cache_off_together(tmp_path):
+    # 2 replicas (1x2), each with a cache: the blocks pruned again after they froze outdate its
+    # states on both ranks, which agree to switch it off before epoch 2 would serve them.
+    output = run_workers("recipes_worker.py", 2, str(tmp_path), "pruning_replicas")
+    assert output.count("AutoCache switched off for this run: the frozen prefix changed") == 2  # each rank's cache
+    assert "'model.bert.encoder.layer.0.attention.output.dense.weight_mask'" in output
+    assert [r["cache_hit_rate"] for r in _reports(tmp_path, "pruning_replicas")] == [0.0, 0.0]
+
+
 def test_a_metric_synced_on_every_step_syncs_over_the_last_stages_under_a_pipeline(tmp_path):
     # The last stage alone runs the code after the model call: the metric's sync on each update
     # (dist_sync_on_step=True) must not wait for the first stage, which waits for gradients.

@@ -10,6 +10,7 @@ that feed it, and each step's keys).
 from lightning_pipetx.autocache.cache import AutoCache
 from lightning_pipetx.autocache.control import CacheControl, CacheSite, cache_directories
 from lightning_pipetx.autocache.feed import CacheFeed
+from lightning_pipetx.autocache.frozen_weights import FrozenWeightsChangedError
 from lightning_pipetx.autocache.guards import TrainablePrefixError
 from lightning_pipetx.autocache.prefix import CachedPrefix
 
@@ -19,6 +20,7 @@ __all__ = [
     "CacheFeed",
     "CacheSite",
     "CachedPrefix",
+    "FrozenWeightsChangedError",
     "TrainablePrefixError",
     "cache_directories",
 ]

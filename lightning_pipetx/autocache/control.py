@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_pipetx.autocache.cache import AutoCache
+from lightning_pipetx.autocache.frozen_weights import FrozenWeightsChangedError, FrozenWeightsGuard
 from lightning_pipetx.autocache.guards import TrainablePrefixError, trainable_prefix_reason, trainable_prefix_weights
 from lightning_pipetx.autocache.tiers import TIER_NAMES
 from lightning_pipetx.blocks import BlockSplit
@@ -64,10 +66,13 @@ class CacheControl:
         self.eval_cache: AutoCache | None = None
         self._refusal: str | None = None
         self._validation_refusal: str | None = None
+        self._frozen_weights = FrozenWeightsGuard()
+        self._device = torch.device("cpu")  # of the collectives (the training device)
 
     def open(self, site: CacheSite, num_samples: int) -> AutoCache:
         """The run's training cache on this rank (created once)."""
         if self.cache is None:
+            self._frozen_weights.reset()  # a prefix watched in an earlier fit that opened no cache
             self.cache = self._new(site.run_token, site, num_samples, training=True)
         return self.cache
 
@@ -112,10 +117,21 @@ class CacheControl:
         if self.eval_cache is not None and self.eval_cache.enabled:
             self.eval_cache.disable(reason + ".")
 
-    def on_freeze(self, root: torch.nn.Module, split: BlockSplit, frozen_blocks: int) -> None:
-        """Refuse a frozen prefix that still trains; free the depths no longer needed."""
+    def on_freeze(
+        self,
+        root: torch.nn.Module,
+        split: BlockSplit,
+        frozen_blocks: int,
+        device: torch.device | None = None,
+        computes: Callable[[torch.nn.Module], bool] = lambda module: True,
+    ) -> None:
+        """Refuse a frozen prefix that still trains; free the depths no longer needed; watch the
+        prefix's weights (``computes(module)``: whether this rank computes the module's output for
+        the cache; ``device``: the training device)."""
         if self.mode is False:
             return
+        self._device = device or self._device
+        self._frozen_weights.watch(root, split, frozen_blocks, computes)
         names = trainable_prefix_weights(root, split, frozen_blocks)
         if names:
             self.refuse(
@@ -135,8 +151,34 @@ class CacheControl:
         return bool(flag)
 
     def begin_epoch(self, world_size: int) -> None:
+        """A training epoch starts (a collective where the cache exists): the verdicts on the frozen
+        prefix's weights and on the inputs the last epoch saw."""
         if self.cache is not None:
+            self._check_frozen_weights(world_size)
             self.cache.begin_epoch(world_size)
+
+    def _check_frozen_weights(self, world_size: int) -> None:
+        """Refuse the cache once a weight of the frozen prefix changed after states were cached
+        from it (a collective: every rank calls it where the training cache exists)."""
+        changed = self._frozen_weights.changed() if self.cache is not None and self.cache.enabled else []
+        flag = torch.tensor(float(bool(changed)), device=self._device)
+        if world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag:
+            return
+        seen = [changed]
+        if world_size > 1:
+            seen = [None] * world_size
+            dist.all_gather_object(seen, changed)
+        names = sorted({name for names in seen for name in names})
+        shown = ", ".join(repr(name) for name in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        self.refuse(
+            f"the frozen prefix changed after states were cached from it ({shown}): a callback such as Lightning's "
+            f"ModelPruning, or code writing to frozen weights, outdates every cached state",
+            FrozenWeightsChangedError,
+            "Pass cache=False (or cache='auto', which turns the cache off when this happens), or leave the frozen "
+            "weights as they are (prune only what trains).",
+        )
 
     def begin_validation(self, world_size: int) -> None:
         """Before a validation run in fit (a collective where the validation cache exists): the
@@ -144,6 +186,7 @@ class CacheControl:
         cache = self.eval_cache
         if cache is None:
             return
+        self._check_frozen_weights(world_size)  # a change within the epoch, before validation serves
         if cache.enabled and self.cache is not None and not self.cache.enabled:
             cache.disable("the training cache is off.", warn=False)
         cache.begin_epoch(world_size)
@@ -197,3 +240,4 @@ class CacheControl:
             cache.close(remove_files)
         self.cache = self.eval_cache = None
         self._refusal = self._validation_refusal = None
+        self._frozen_weights.reset()

@@ -356,8 +356,10 @@ class ElasticPipelineStrategy(DDPStrategy):
         """
         engine = self._require_engine()
         engine.share_updated_params(self.optimizers)
+        engine.share_pre_buffers()  # the frozen embeddings' buffers are replica 0's first stage's everywhere
         engine.frozen = frozen_blocks
-        self._autocache.on_freeze(self.lightning_module, split or self._split, frozen_blocks)
+        split = split or self._split
+        self._autocache.on_freeze(self.lightning_module, split, frozen_blocks, self.root_device, self._computes_prefix)
         if not self.elastic:
             self._frozen = frozen_blocks
             return  # the ablation: blocks freeze in place, the layout stays
@@ -389,6 +391,11 @@ class ElasticPipelineStrategy(DDPStrategy):
             self._metrics.logged_layout = engine.layout
         if self.is_global_zero:
             log.info("pipetx: frozen %d->%d blocks, %s by rank 0", previous, frozen_blocks, done.describe())
+
+    def _computes_prefix(self, module: torch.nn.Module) -> bool:
+        """Whether this rank computes ``module`` of the frozen prefix for AutoCache (a first stage holding it)."""
+        engine = self.engine
+        return engine is not None and engine.topology.is_first_stage and not self._store.has_released(module)
 
     def _take_profile(self, engine: PipelineEngine) -> None:
         """The profiled forward times become the planner's costs (once; on every rank, a collective)."""

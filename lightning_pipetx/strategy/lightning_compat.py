@@ -153,6 +153,22 @@ def refuse_weight_averaging(callbacks: list[pl.Callback], pipeline_length: int) 
         )
 
 
+def refuse_model_pruning(callbacks: list[pl.Callback], pipeline_length: int) -> None:
+    """Refuse Lightning's ``ModelPruning`` under a pipeline: it computes masks from every weight it
+    prunes (global thresholds by default), and a rank holds only its stage's blocks; at the end of
+    training it registers new weights in place of the pruned ones on every rank."""
+    if pipeline_length <= 1:
+        return
+    for callback in callbacks:
+        if isinstance(callback, pl.callbacks.ModelPruning):
+            raise UnsupportedRecipeError(
+                f"ModelPruning under a {pipeline_length}-stage pipeline: it prunes by the values of every weight "
+                f"it covers, but each rank holds only the blocks of its stage (the others are placeholders), so "
+                f"its masks would not be one process's. Pass ElasticPipelineStrategy(pipeline_length=1) (replicas "
+                f"only), or train without ModelPruning."
+            )
+
+
 def refuse_time_based_validation(trainer: pl.Trainer, world_size: int) -> None:
     """Refuse ``val_check_interval`` given as a time (Lightning 2.6): each rank decides on its
     own clock when to validate, so ranks would validate after different steps and their

@@ -59,9 +59,13 @@ class ParamStore:
         """Whether this rank released ``param`` (another stage's)."""
         return id(param) in self._shapes
 
+    def has_released(self, module: nn.Module) -> bool:
+        """Whether this rank released a weight of ``module``."""
+        return any(self.is_released(p) for p in module.parameters())
+
     def released_blocks(self) -> list[int]:
         """Blocks whose weights this rank does not hold."""
-        return [i for i, block in enumerate(self.blocks) if any(self.is_released(p) for p in block.parameters())]
+        return [i for i, block in enumerate(self.blocks) if self.has_released(block)]
 
     def release(self, keep: range) -> None:
         """Free the storage of every block outside ``keep``."""

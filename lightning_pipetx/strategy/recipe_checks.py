@@ -18,6 +18,7 @@ from lightning_pipetx.autocache import CacheControl
 from lightning_pipetx.strategy.lightning_compat import (
     WeightAveragingError,
     averaged_weights_used_in,
+    refuse_model_pruning,
     refuse_time_based_validation,
     refuse_weight_averaging,
     weight_averaging,
@@ -45,6 +46,7 @@ def check_fit_recipe(
     module = trainer.lightning_module
     refuse_unagreed_overflow(optimizers, scaler, pipeline_length)
     refuse_weight_averaging(trainer.callbacks, pipeline_length)
+    refuse_model_pruning(trainer.callbacks, pipeline_length)
     refuse_time_based_validation(trainer, world_size)
     dropping = block_dropping(module, blocks)
     refuse_block_dropping(dropping, pipeline_length)

@@ -15,7 +15,7 @@ from datetime import timedelta
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, ModelCheckpoint, ModelPruning
 from lightning.pytorch.utilities.model_summary import summarize
 from recipes_cases import (
     GLOBAL_BATCH,
@@ -96,7 +96,14 @@ EPOCHS = {
     "summed_count": 3,
     "epoch_metrics": 2,
     "plateau": 3,
+    "pruning_replicas": 4,
 }
+
+
+def block_pruning(module: pl.LightningModule) -> ModelPruning:
+    """Lightning's ModelPruning of the blocks' linear layers, each by its own values, at each epoch's end."""
+    layers = [(m, "weight") for m in module.model.bert.encoder.layer.modules() if isinstance(m, torch.nn.Linear)]
+    return ModelPruning("l1_unstructured", parameters_to_prune=layers, amount=0.2, use_global_unstructured=False)
 
 
 def main() -> None:
@@ -121,6 +128,7 @@ def main() -> None:
         "timm_checkpointing": timm_checkpointing_module,
         "reentrant": lambda: ReentrantCheckpointing(seed=0, dropout=0.0),
         "two_calls": two_calls_module,
+        "random_collate_popped": popping_module,
     }.get(mode, hook_counting_module)()
     if mode == "layerdrop":  # as Wav2Vec2's and HuBERT's configs have by default
         module.model.config.layerdrop = 0.1
@@ -134,7 +142,7 @@ def main() -> None:
     epochs = EpochSteps(names.get(mode, ()))
     resume = sys.argv[sys.argv.index("resume") + 1] if "resume" in sys.argv else None
     steps = [ModelCheckpoint(out_dir, save_top_k=-1, every_n_train_steps=6)] if mode == "summed_count" else []
-    length = 1 if mode == "fp16_fused_replicas" else 2
+    length = 1 if mode in ("fp16_fused_replicas", "pruning_replicas") else 2
     # The refused outputs are refused on the first stage only (the last one waits for its hidden
     # state): the ranks agree on the failure within a third of this timeout.
     timeout = timedelta(
@@ -152,6 +160,7 @@ def main() -> None:
         max_epochs=EPOCHS.get(mode),
         callbacks=[summary, epochs]
         + ([EMAWeightAveraging(decay=0.9)] if mode == "ema" else [])
+        + ([block_pruning(module)] if mode.startswith("pruning") else [])
         + ([freeze] if freeze else [])
         + steps,
         logger=False,
@@ -182,6 +191,8 @@ def main() -> None:
         report["last_lr"] = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
     elif mode == "step_synced_metric":
         report["train_acc"] = float(trainer.callback_metrics["train_acc"])
+    elif mode == "pruning_replicas":
+        report["cache_hit_rate"] = float(trainer.callback_metrics.get("pipetx/cache_hit_rate", -1.0))
     elif mode in ("summed_count", "epoch_metrics"):
         epochs.record(trainer)
         report["values"] = epochs.values
