@@ -67,18 +67,19 @@ class CacheControl:
         self._refusal: str | None = None
         self._validation_refusal: str | None = None
         self._frozen_weights = FrozenWeightsGuard()
-        self._device = torch.device("cpu")  # of the collectives (the training device)
+        self._device = torch.device("cpu")  # the training device, where collectives run (NCCL: CUDA only)
 
     def open(self, site: CacheSite, num_samples: int) -> AutoCache:
         """The run's training cache on this rank (created once)."""
         if self.cache is None:
-            self._frozen_weights.reset()  # a prefix watched in an earlier fit that opened no cache
+            self._device = site.device
             self.cache = self._new(site.run_token, site, num_samples, training=True)
         return self.cache
 
     def open_eval(self, site: CacheSite, num_samples: int) -> AutoCache:
         """The run's validation cache on this rank (created once)."""
         if self.eval_cache is None:
+            self._device = site.device
             self.eval_cache = self._new(f"{site.run_token}-val", site, num_samples, training=False)
         return self.eval_cache
 
@@ -122,15 +123,13 @@ class CacheControl:
         root: torch.nn.Module,
         split: BlockSplit,
         frozen_blocks: int,
-        device: torch.device | None = None,
         computes: Callable[[torch.nn.Module], bool] = lambda module: True,
     ) -> None:
         """Refuse a frozen prefix that still trains; free the depths no longer needed; watch the
         prefix's weights (``computes(module)``: whether this rank computes the module's output for
-        the cache; ``device``: the training device)."""
+        the cache)."""
         if self.mode is False:
             return
-        self._device = device or self._device
         self._frozen_weights.watch(root, split, frozen_blocks, computes)
         names = trainable_prefix_weights(root, split, frozen_blocks)
         if names:
@@ -149,6 +148,10 @@ class CacheControl:
         if world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag)
+
+    def begin_fit(self) -> None:
+        """A fit starts: no prefix is frozen yet (an earlier fit's watch is dropped)."""
+        self._frozen_weights.reset()
 
     def begin_epoch(self, world_size: int) -> None:
         """A training epoch starts (a collective where the cache exists): the verdicts on the frozen

@@ -32,12 +32,16 @@ def exact_fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     on every device and in any order of summation. No copy of the tensor where its bytes are whole
     words; otherwise summed in chunks."""
     values = tensor.detach()
+    if values.layout != torch.strided:
+        values = values.to_dense()
     if values.dtype == torch.bool:
         values = values.to(torch.uint8)
     if values.is_complex():
-        values = torch.view_as_real(values)
+        values = torch.view_as_real(values.resolve_conj())
     flat = values.contiguous().reshape(-1)
-    if (flat.numel() * flat.element_size()) % 8 == 0 and (flat.storage_offset() * flat.element_size()) % 8 == 0:
+    if (flat.numel() * flat.element_size()) % 8 == 0:
+        if (flat.storage_offset() * flat.element_size()) % 8:
+            flat = flat.clone()  # words start where the storage does: the path depends on shape and dtype only
         words = flat.view(torch.int64)
         return torch.stack([words.sum(), words[1::2].sum()])
     integers = flat.view(_INTEGER_VIEWS[flat.element_size()])

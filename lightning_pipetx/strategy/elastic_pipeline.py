@@ -276,6 +276,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._store = ParamStore(self._split.blocks)
         self._frozen = 0
         self._autodp.reset()
+        self._autocache.begin_fit()
         self._run_token = self.broadcast(uuid.uuid4().hex[:12] if self.is_global_zero else None)
         self._private_sites = False
         self._agreement = FailureAgreement(self.world_size, self.timeout)
@@ -359,7 +360,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         engine.share_pre_buffers()  # the frozen embeddings' buffers are replica 0's first stage's everywhere
         engine.frozen = frozen_blocks
         split = split or self._split
-        self._autocache.on_freeze(self.lightning_module, split, frozen_blocks, self.root_device, self._computes_prefix)
+        self._autocache.on_freeze(self.lightning_module, split, frozen_blocks, self._computes_prefix)
         if not self.elastic:
             self._frozen = frozen_blocks
             return  # the ablation: blocks freeze in place, the layout stays

@@ -326,12 +326,13 @@ class StageRunner:
                 self.on_last_backward()
             if kind == "F":
                 incoming = None
-                fingerprint = self.fingerprint(microbatches[i]) if topo.pipeline_length > 1 else None
                 if topo.is_first_stage:
                     self.channel.exchange(outbox, [])
                 else:
                     incoming = self._receive_activation(outbox, received)
                     received = incoming.layout
+                fingerprint = self.fingerprint(microbatches[i]) if topo.pipeline_length > 1 else None
+                if incoming is not None:
                     self._compare_batch(fingerprint, incoming.fingerprint)
                 flight, act = self._forward(microbatches[i], step_fn, i, incoming)
                 outbox = [] if act is None else self._activation_sends(act, fingerprint, sent)
