@@ -12,7 +12,12 @@ import torch.distributed as dist
 
 from lightning_pipetx.autocache.cache import AutoCache
 from lightning_pipetx.autocache.frozen_weights import FrozenWeightsChangedError, FrozenWeightsGuard
-from lightning_pipetx.autocache.guards import TrainablePrefixError, trainable_prefix_reason, trainable_prefix_weights
+from lightning_pipetx.autocache.guards import (
+    TrainablePrefixError,
+    shown_names,
+    trainable_prefix_reason,
+    trainable_prefix_weights,
+)
 from lightning_pipetx.autocache.tiers import TIER_NAMES
 from lightning_pipetx.blocks import BlockSplit
 
@@ -174,7 +179,7 @@ class CacheControl:
             seen = [None] * world_size
             dist.all_gather_object(seen, changed)
         names = sorted({name for names in seen for name in names})
-        shown = ", ".join(repr(name) for name in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        shown = shown_names([repr(name) for name in names])
         self.refuse(
             f"the frozen prefix changed after states were cached from it ({shown}): a callback such as Lightning's "
             f"ModelPruning, or code writing to frozen weights, outdates every cached state",

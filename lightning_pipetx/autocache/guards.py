@@ -36,9 +36,14 @@ def trainable_prefix_weights(root: torch.nn.Module, split: BlockSplit, frozen_bl
     return [name for name, p in root.named_parameters() if id(p) in prefix and p.requires_grad]
 
 
+def shown_names(names: list[str], limit: int = 3) -> str:
+    """The first ``limit`` of ``names`` for a message, and how many more there are."""
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
 def trainable_prefix_reason(names: list[str]) -> str:
     """Why the cache cannot serve a prefix in which ``names`` still train."""
-    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    shown = shown_names(names)
     return (
         f"the frozen prefix still trains {shown} (for example an input embedding tied to the output layer, as in "
         f"GPT-2): cached hidden states would go stale and the gradient through them would be lost"
