@@ -71,9 +71,17 @@ def test_per_token_predictions_are_gathered_in_the_documented_order(everywhere):
     assert everywhere[3]["token_shapes"] == everywhere[0]["token_shapes"][1::2]
 
 
-def test_a_replica_without_predict_batches_takes_part_in_the_gather(everywhere):
+def test_a_replica_without_predict_batches_returns_none_and_the_others_their_own(everywhere):
+    # A loader sharded by the user (not by Lightning's sampler): each rank keeps what it predicted, as under DDP.
     assert everywhere[0]["one_sample"][0][0] == 1 and len(everywhere[0]["one_sample"]) == 1
+    assert everywhere[1]["one_sample"] == everywhere[0]["one_sample"]  # the first stage of the same replica
     assert [r["one_sample"] for r in everywhere[2:]] == [None, None]  # Lightning skipped their loop
+
+
+def test_predictions_of_a_loader_lightning_did_not_shard_stay_on_their_rank(everywhere):
+    # Trainer(use_distributed_sampler=False): every rank predicted all 13 samples (batches of 3), as under DDP.
+    assert [shape[0] for shape in everywhere[0]["unsharded_shapes"]] == [3, 3, 3, 3, 1]  # not each sample twice
+    assert all(r["unsharded_shapes"] == everywhere[0]["unsharded_shapes"] for r in everywhere)
 
 
 def test_outputs_collected_in_training_step_fail_with_an_explanation(tmp_path):

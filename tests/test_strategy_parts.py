@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from distributed import run_workers
-from tiny_models import build_model, build_task, make_trainer, task_loader
+from tiny_models import RandomVectorDataset, TinySequentialRegressor, build_model, build_task, make_trainer, task_loader
 from torch.utils.data import DataLoader, DistributedSampler
 from transformers import BatchEncoding
 
@@ -412,6 +412,39 @@ def test_predictions_whose_first_dimension_is_not_the_batch_are_returned_as_prod
         [4.0, 5.0],
         [6.0, 7.0],
     ]
+
+
+def test_predictions_holding_a_number_per_batch_are_returned_as_produced():
+    # A float (or int) describes its batch: dealing it to re-batched samples would average it away.
+    def prediction(samples, mean):
+        return {"pred": torch.tensor(samples, dtype=torch.float), "mean": mean, "names": [str(i) for i in samples]}
+
+    shards = [[prediction([0, 2], 0.5), prediction([4, 6], 1.5)], [prediction([1, 3], 2.5), prediction([5, 7], 3.5)]]
+    merged = merge_shards(shards, [[2, 2], [2, 2]])
+    produced = [shards[0][0], shards[1][0], shards[0][1], shards[1][1]]
+    assert len(merged) == 4 and all(m is p for m, p in zip(merged, produced))
+    # per-sample values (tensors and strings) and nothing (None) are joined back into dataset order
+    for shard in shards:
+        for batch in shard:
+            batch["mean"] = None
+    merged = merge_shards(shards, [[2, 2], [2, 2]])
+    assert [m["names"] for m in merged] == [["0", "1"], ["2", "3"], ["4", "5"], ["6", "7"]]
+    assert [m["pred"].tolist() for m in merged] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]
+    assert [m["mean"] for m in merged] == [None] * 4
+
+
+def test_predict_without_batches_returns_what_plain_lightning_returns():
+    # limit_predict_batches=0: Lightning skips the loop, and gathering its predictions must not fail.
+    class Predictor(TinySequentialRegressor):
+        def predict_step(self, batch, batch_idx):
+            return self(batch[0])
+
+    loader = DataLoader(RandomVectorDataset(size=8, seed=1), batch_size=4)
+    plain, ours = (
+        make_trainer([], strategy=strategy, limit_predict_batches=0).predict(Predictor(seed=0), loader)
+        for strategy in ("auto", ElasticPipelineStrategy())
+    )
+    assert ours == plain
 
 
 @pytest.mark.parametrize("pipelined", [True, False])

@@ -1,8 +1,9 @@
 """Gather ``trainer.predict`` results from every replica on global rank 0.
 
 Every stage of a replica computes the same predictions (evaluation steps run to their end on
-every stage), so every rank holds its replica's shard, as under DDP. Global rank 0 also
-receives the other replicas' shards, from their last stages, and returns all predictions:
+every stage), so every rank holds its replica's shard, as under DDP. Where Lightning's
+prediction sampler sharded a loader by replica, global rank 0 also receives the other
+replicas' shards, from their last stages, and returns all predictions:
 
 * in dataset order, re-batched with the first batch's size, when the batches can be joined
   (each tensor has its input batch's samples along its first dimension, and the same shape
@@ -13,14 +14,20 @@ receives the other replicas' shards, from their last stages, and returns all pre
   without a batch dimension) every batch as it was produced, interleaved by batch: batch 0
   of replica 0, batch 0 of replica 1, ..., batch 1 of replica 0, ...; sample ``i`` of batch
   ``b`` of replica ``r`` is dataset sample ``r + D * (b * batch_size + i)``.
+
+A loader that Lightning did not shard (``Trainer(use_distributed_sampler=False)``, an
+``IterableDataset``) gives each rank the predictions of what it read, as under DDP.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 
 from lightning_pipetx.strategy.microbatch import BatchSplitError, _tensors, batch_size, chunk, join_outputs, take
 from lightning_pipetx.strategy.topology import Topology
@@ -46,10 +53,20 @@ def gather_predictions(local: list[Any], rows: list[int | None], topology: Topol
     return merge_shards([shard for shard, _ in gathered], [sizes for _, sizes in gathered])
 
 
-def gather_loop_predictions(loop: Any, topology: Topology, rows: dict[int, list[int | None]]) -> None:
+def sharded_by_replica(loader: Any, replicas: int) -> bool:
+    """Whether Lightning's prediction sampler dealt ``loader``'s samples to ``replicas`` replicas
+    (replica ``r`` of ``D``: samples ``r, r + D, ...`` of the loader's own order, none repeated)."""
+    samplers = (getattr(getattr(loader, "batch_sampler", None), "sampler", None), getattr(loader, "sampler", None))
+    return any(isinstance(s, UnrepeatedDistributedSampler) and s.num_replicas == replicas for s in samplers)
+
+
+def gather_loop_predictions(
+    loop: Any, topology: Topology, rows: dict[int, list[int | None]], sharded: list[bool]
+) -> None:
     """Gather into the lists that ``trainer.predict`` returns, in place (a collective over the
     last stages); a loop that had no batch on this replica takes part with empty lists.
-    ``rows[d]``: the samples of each input batch of dataloader ``d``."""
+    ``rows[d]``: the samples of each input batch of dataloader ``d``; ``sharded[d]``: whether
+    Lightning's sampler sharded it by replica (else each rank keeps its own predictions)."""
     if not loop.return_predictions:
         return
     if loop.skip:
@@ -58,7 +75,26 @@ def gather_loop_predictions(loop: Any, topology: Topology, rows: dict[int, list[
         predictions = loop.predictions
         per_loader = [predictions] if loop.num_dataloaders == 1 else predictions
     for index, local in enumerate(per_loader):
-        local[:] = gather_predictions(local, rows.get(index, []) if local else [], topology)
+        if index < len(sharded) and sharded[index]:
+            local[:] = gather_predictions(local, rows.get(index, []) if local else [], topology)
+
+
+def _per_sample(output: Any, rows: int) -> bool:
+    """Whether every value of ``output`` holds one entry per sample of its ``rows``: a tensor along
+    dim 0, a list of per-sample values (strings, numbers). A single number, a 0-dim tensor or
+    another object describes the batch, and cannot be dealt to samples (None and empty lists have
+    nothing to deal)."""
+    if output is None or (isinstance(output, (list, tuple)) and not output):
+        return True
+    if isinstance(output, torch.Tensor):
+        return output.dim() > 0 and output.shape[0] == rows
+    if isinstance(output, Mapping):
+        return all(_per_sample(value, rows) for value in output.values())
+    if isinstance(output, (list, tuple)):
+        if not _tensors(output):  # joined and taken item by item
+            return len(output) == rows
+        return all(_per_sample(value, rows) for value in output)
+    return False
 
 
 def _joinable(batches: list[Any], rows: list[int | None]) -> bool:
@@ -70,6 +106,8 @@ def _joinable(batches: list[Any], rows: list[int | None]) -> bool:
         if any(batch_size(batch) != size for batch, size in zip(batches, rows)):
             return False
     except BatchSplitError:
+        return False
+    if not all(_per_sample(batch, size) for batch, size in zip(batches, rows)):
         return False
     shapes = [[(t.dim(), t.shape[1:]) for t in _tensors(batch)] for batch in batches]
     return all(s == shapes[0] for s in shapes) and all(dim > 0 for dim, _ in shapes[0])

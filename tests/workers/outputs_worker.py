@@ -173,10 +173,14 @@ def everywhere(report):
     predictor = trainer_for(4, use_distributed_sampler=False)
     predictions = predictor.predict(model, datamodule=OneSample())  # None where the loop had no batch
     report["one_sample"] = None if predictions is None else [list(p.shape) for p in predictions]
+    # A loader Lightning does not shard: each rank predicts the whole set and keeps what it predicted.
+    predictions = trainer_for(4, use_distributed_sampler=False).predict(model, loader(13, 3, 3))
+    report["unsharded_shapes"] = [list(p.shape) for p in predictions]
 
 
 class OneSample(pl.LightningDataModule):
-    """Predicts one sample; shards it by replica itself, so the second replica reads nothing."""
+    """Predicts one sample; shards it by replica itself, so the second replica reads nothing
+    (Lightning's own sampler needs a sample for every replica)."""
 
     def __init__(self):
         super().__init__()
