@@ -55,6 +55,19 @@ def test_checkpoint_is_consolidated(four_ranks):
         assert tensor.shape == reference.state_dict()[name].shape, name
 
 
+def test_on_save_checkpoint_reads_the_whole_model_on_the_rank_that_writes(four_ranks):
+    # Global rank 0, a last stage, does not run the first stage's blocks: the hook reads them too.
+    _, reports = four_ranks
+    checkpoint = torch.load(reports[0]["best_model_path"], map_location="cpu", weights_only=False)
+    copy, state = checkpoint["encoder_copy"], checkpoint["state_dict"]
+    assert len(copy) == len([k for k in state if k.startswith("model.bert.encoder.")]) > 0
+    for name, tensor in copy.items():
+        assert torch.equal(tensor, state[f"model.bert.encoder.{name}"]), name
+    # ... and only while it is saved: after the save at epoch 0's end they read NaN again.
+    counts = reports[0]["released_nan"]
+    assert len(counts) == 2 and counts[0] == counts[1] > 0
+
+
 def test_a_checkpoint_keeps_the_gradient_norms_of_every_stage(four_ranks):
     # Each rank measures the blocks it runs; global rank 0 (a last stage) writes the file.
     _, reports = four_ranks

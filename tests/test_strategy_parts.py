@@ -19,6 +19,7 @@ from lightning_pipetx.strategy.autopipe import AutoPipe
 from lightning_pipetx.strategy.log_replay import LogRecorder
 from lightning_pipetx.strategy.metric_sync import LastStageSync
 from lightning_pipetx.strategy.microbatch import BatchSplitError, chunk, join_outputs, split_batch, take
+from lightning_pipetx.strategy.param_store import ParamStore
 from lightning_pipetx.strategy.partition import partition, stage_costs
 from lightning_pipetx.strategy.predictions import merge_shards
 from lightning_pipetx.strategy.stage_runner import schedule_actions
@@ -445,6 +446,23 @@ def test_predict_without_batches_returns_what_plain_lightning_returns():
         for strategy in ("auto", ElasticPipelineStrategy())
     )
     assert ours == plain
+
+
+def test_released_blocks_are_lent_their_values_and_taken_back():
+    blocks = torch.nn.Sequential(torch.nn.BatchNorm1d(3), torch.nn.BatchNorm1d(3))
+    store = ParamStore(blocks)
+    store.release(range(0, 1))  # this rank runs block 0
+    assert torch.isnan(blocks[1].weight).all() and blocks[1].weight.stride() == (0,)
+    values = {f"m.1.{k}": torch.full_like(v, 7.0) for k, v in blocks[1].state_dict().items() if v.is_floating_point()}
+    store.lend(values, "m.")
+    assert all(torch.equal(v, values[f"m.1.{k}"]) for k, v in blocks[1].state_dict().items() if v.is_floating_point())
+    store.take_back()
+    assert torch.isnan(blocks[1].weight).all() and blocks[1].weight.stride() == (0,)
+    store.take_back()  # nothing lent: nothing to do
+    assert torch.isnan(blocks[1].weight).all()
+    assert blocks[1].weight.shape == (3,) and store.released_blocks() == [1]
+    assert not torch.isnan(blocks[0].weight).any()  # the block it runs is untouched
+    assert torch.equal(blocks[1].running_mean, torch.full((3,), 7.0))  # buffers keep the values lent
 
 
 @pytest.mark.parametrize("pipelined", [True, False])

@@ -356,6 +356,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         when the plan changed, moves to it before the next epoch's dataloaders are built; when no
         layout is left for the prefix, its blocks freeze in place.
         """
+        self._take_back_lent_blocks()
         engine = self._require_engine()
         engine.share_updated_params(self.optimizers)
         engine.share_pre_buffers()  # the frozen embeddings' buffers are replica 0's first stage's everywhere
@@ -452,6 +453,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._epoch_begun = None
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._take_back_lent_blocks()
         if batch_idx <= 1:  # the first step of the run, and then every epoch's
             self._require_engine().check_batches(everywhere=True)
         epoch = self.lightning_module.trainer.current_epoch
@@ -573,6 +575,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._quiet_writers.enter(self.lightning_module.trainer.callbacks, self._require_engine().topology)
 
     def _evaluation_starts(self) -> None:
+        self._take_back_lent_blocks()
         self._metrics.evaluation_starts(self.lightning_module, self._require_engine().topology)
 
     def _evaluation_ends(self) -> None:
@@ -651,9 +654,11 @@ class ElasticPipelineStrategy(DDPStrategy):
         drop_optimizer_state(self._split.blocks, self.optimizers, self._require_engine().block_range)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError("ElasticPipelineStrategy.save_checkpoint takes no storage_options")
-        if self.is_global_zero:
+        try:
+            if storage_options is not None:
+                raise TypeError("ElasticPipelineStrategy.save_checkpoint takes no storage_options")
+            if not self.is_global_zero:
+                return
             plan = self._saving_plan()
             autopipe = self._require_autopipe()
             checkpoint["pipetx"] = {
@@ -663,9 +668,18 @@ class ElasticPipelineStrategy(DDPStrategy):
                 "block_costs": autopipe.costs if autopipe.profiled else None,
             }
             atomic_save(self.checkpoint_io, checkpoint, filepath)
+        finally:
+            self._take_back_lent_blocks()
+
+    def _take_back_lent_blocks(self) -> None:
+        """Release again what :meth:`lightning_module_state_dict` lent for a checkpoint's hooks (once
+        it is written, or where a save stopped half-way)."""
+        if self._store is not None:
+            self._store.take_back()
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The plain module's ``state_dict``, with every block gathered on global rank 0."""
+        self._take_back_lent_blocks()
         if self._plan_after_run() is not None:  # every rank holds every block
             return self.lightning_module.state_dict()
         engine = self._require_engine()
@@ -679,6 +693,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         if not self.is_global_zero:
             return {}
         state.update(gathered)
+        self._store.lend(state, prefix)  # until save_checkpoint: on_save_checkpoint reads the whole model
         return state
 
     # ----------------------------------------------------------- teardown
@@ -700,6 +715,7 @@ class ElasticPipelineStrategy(DDPStrategy):
             if not self._last_run.failed:
                 self.barrier("pipetx-cache")  # every rank is done with the files
             self._cache_feed.close(remove_files=self.local_rank == 0 or self._private_sites)
+        self._take_back_lent_blocks()
         if self.engine is not None:
             if self._last_run.failed:
                 store, path = self._store, self._split.path

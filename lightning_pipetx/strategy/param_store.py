@@ -15,7 +15,7 @@ that ran them: at the end of a run, and after an exception that every rank took 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,7 @@ class ParamStore:
     def __init__(self, blocks: nn.Module) -> None:
         self.blocks = blocks
         self._shapes: dict[int, torch.Size] = {}
+        self._lent = False
 
     def shape(self, param: nn.Parameter) -> torch.Size:
         return self._shapes.get(id(param), param.shape)
@@ -76,6 +77,30 @@ class ParamStore:
                 if id(param) not in self._shapes:
                     self._shapes[id(param)] = param.shape
                     param.data = _placeholder(param)
+
+    def lend(self, state: Mapping[str, torch.Tensor], prefix: str) -> None:
+        """Let the blocks this rank released read their values in ``state`` (the module's
+        ``state_dict`` keys, the block list's under ``prefix``) until :meth:`take_back`: the
+        hooks of a checkpoint being saved read the whole model. Their buffers take the values."""
+        self._lent = True
+        for index in self.released_blocks():
+            for name, tensor in self.blocks[index].state_dict(keep_vars=True).items():
+                value = state.get(f"{prefix}{index}.{name}")
+                if value is None:
+                    continue
+                if isinstance(tensor, nn.Parameter) and self.is_released(tensor):
+                    tensor.data = value
+                else:
+                    tensor.data.copy_(value)
+
+    def take_back(self) -> None:
+        """Release again the weights :meth:`lend` lent (a released weight reads NaN)."""
+        if not self._lent:
+            return
+        self._lent = False
+        for param in self.blocks.parameters():
+            if self.is_released(param):
+                param.data = _placeholder(param)
 
     def materialize(self, param: nn.Parameter) -> None:
         """Give a released parameter storage again (its values are to be filled in)."""

@@ -16,7 +16,13 @@ from datetime import timedelta
 import lightning.pytorch as pl
 import torch
 import torchmetrics
-from lightning.pytorch.callbacks import BasePredictionWriter, EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import (
+    BasePredictionWriter,
+    Callback,
+    EarlyStopping,
+    LearningRateMonitor,
+    ModelCheckpoint,
+)
 from lightning.pytorch.loggers import CSVLogger
 from tiny_models import RandomTokenDataset, tiny_bert
 from torch.utils.data import DataLoader
@@ -68,6 +74,22 @@ class Classifier(pl.LightningModule):
         optimizer = torch.optim.AdamW(self.parameters(), lr=3e-3)
         return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)]
 
+    def on_save_checkpoint(self, checkpoint):
+        # An export copy of the encoder read from the module itself (as EMA or fp16 export recipes do).
+        checkpoint["encoder_copy"] = {k: v.clone() for k, v in self.model.bert.encoder.state_dict().items()}
+
+
+class ReleasedWeights(Callback):
+    """How many encoder weights read NaN on this rank as each epoch starts (those of the blocks it
+    does not run): a checkpoint saved at the last epoch's end lends them values only while it is saved."""
+
+    def __init__(self):
+        self.counts = []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        weights = pl_module.model.bert.encoder.parameters()
+        self.counts.append(sum(bool(torch.isnan(w).all()) for w in weights))
+
 
 class IndexWriter(BasePredictionWriter):
     """Lightning's per-rank pattern: each rank writes the dataset indices it predicted."""
@@ -97,6 +119,7 @@ def main():
     if mode == "torchrun":
         checkpoint = ModelCheckpoint(dirpath=out_dir, monitor="val_acc", mode="max", save_top_k=1)
         stopping = EarlyStopping(monitor="val_loss", patience=1, min_delta=10.0)  # stops after 2 epochs
+        released = ReleasedWeights()
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=4,
@@ -109,6 +132,7 @@ def main():
                 LearningRateMonitor(),
                 FreezeCallback(warmup_epochs=10),
                 IndexWriter(out_dir),
+                released,
             ],
             logger=CSVLogger(out_dir),
             enable_progress_bar=False,
@@ -120,6 +144,7 @@ def main():
         report["epochs"] = trainer.current_epoch
         report["stopped"] = stopping.stopped_epoch
         report["best_model_path"] = checkpoint.best_model_path
+        report["released_nan"] = released.counts
         report["lr"] = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
         report["validate"] = trainer.validate(model, loader(14, 4, 2), verbose=False)[0]
         report["test"] = trainer.test(model, loader(14, 4, 3), verbose=False)[0]
