@@ -14,7 +14,6 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import CombinedLoader
 from torch.distributed import ReduceOp
 from torch.distributed.constants import default_pg_timeout
 from torch.utils.data import DataLoader
@@ -52,7 +51,7 @@ from lightning_pipetx.strategy.model_checks import (
 )
 from lightning_pipetx.strategy.options import check_arguments
 from lightning_pipetx.strategy.param_store import ParamStore
-from lightning_pipetx.strategy.predictions import QuietWriters, gather_loop_predictions, input_rows, sharded_by_replica
+from lightning_pipetx.strategy.predictions import QuietWriters, gather_trainer_predictions, input_rows
 from lightning_pipetx.strategy.recipe_checks import check_fit_recipe, refuse_collected_outputs
 from lightning_pipetx.strategy.topology import Layout
 from lightning_pipetx.strategy.transition import drop_optimizer_state
@@ -726,12 +725,7 @@ class ElasticPipelineStrategy(DDPStrategy):
             else:
                 trainer = self.lightning_module.trainer
                 if trainer.state.fn == TrainerFn.PREDICTING:  # here, as a replica without batches skips the hooks
-                    loaders = trainer.predict_dataloaders  # set up also where the loop had no batch
-                    if loaders is not None:
-                        flat = CombinedLoader(loaders).flattened
-                        sharded = [sharded_by_replica(loader, self.engine.layout.replicas) for loader in flat]
-                        topology = self.engine.topology
-                        gather_loop_predictions(trainer.predict_loop, topology, self._predict_rows, sharded)
+                    gather_trainer_predictions(trainer, self.engine.topology, self._predict_rows)
                 self.engine.share_updated_params(self.optimizers)
                 self.engine.close(restore_weights=True)
                 self._last_run.plan, self._last_run.fit = self.engine.plan, trainer.state.fn == TrainerFn.FITTING

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from lightning.pytorch.utilities import CombinedLoader
 
 from lightning_pipetx.strategy.microbatch import BatchSplitError, _tensors, batch_size, chunk, join_outputs, take
 from lightning_pipetx.strategy.topology import Topology
@@ -58,6 +59,17 @@ def sharded_by_replica(loader: Any, replicas: int) -> bool:
     (replica ``r`` of ``D``: samples ``r, r + D, ...`` of the loader's own order, none repeated)."""
     samplers = (getattr(getattr(loader, "batch_sampler", None), "sampler", None), getattr(loader, "sampler", None))
     return any(isinstance(s, UnrepeatedDistributedSampler) and s.num_replicas == replicas for s in samplers)
+
+
+def gather_trainer_predictions(trainer: Any, topology: Topology, rows: dict[int, list[int | None]]) -> None:
+    """Gather what ``trainer.predict`` returns, for each loader Lightning's sampler sharded by
+    replica (a collective over the last stages; every rank decides alike from its loaders, which
+    Lightning sets up also where its loop has no batch). ``rows[d]``: see :func:`gather_loop_predictions`."""
+    loaders = trainer.predict_dataloaders
+    if loaders is None:
+        return
+    sharded = [sharded_by_replica(loader, topology.replicas) for loader in CombinedLoader(loaders).flattened]
+    gather_loop_predictions(trainer.predict_loop, topology, rows, sharded)
 
 
 def gather_loop_predictions(
