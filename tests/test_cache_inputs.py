@@ -1,6 +1,9 @@
 """AutoCache and what its keys rest on: batch-first hidden states, and one training loader of batches."""
 
+import dataclasses
+
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import tiny_models as tm
 import torch
@@ -256,3 +259,120 @@ def test_every_rank_takes_what_any_rank_saw_of_the_rows_layout():
     summed = [a + b for a, b in zip(shown.flags(), fresh.flags())]
     fresh.agree(summed)
     assert not fresh.unproven
+
+
+class _LazyGlobalSampler(torch.utils.data.Sampler):
+    """Draws each index as it is asked for, from torch's global random stream."""
+
+    def __init__(self, size):
+        self.size = size
+
+    def __len__(self):
+        return self.size
+
+    def __iter__(self):
+        return (int(torch.randint(self.size, ())) for _ in range(self.size))
+
+
+def _fit_loader(cache, make_loader, tmp_path, dropout=0.0, **trainer_kwargs):
+    torch.manual_seed(0)  # the global stream each run starts from (the sampler's, augmentation's, dropout's)
+    module, rates = tm.TinyBertClassifier(seed=0, dropout=dropout), tm.HitRates()
+    trainer = tm.cached_trainer(tmp_path, cache, [rates], use_distributed_sampler=False, **trainer_kwargs)
+    trainer.fit(module, make_loader())
+    return module.state_dict(), rates.rates
+
+
+def _seeded_shuffle(data, **kwargs):
+    return DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0), **kwargs)
+
+
+@pytest.mark.parametrize(("cache", "workers"), [("auto", 0), (True, 0), ("auto", 2)])
+def test_a_shuffle_with_the_users_generator_draws_as_without_the_cache(tmp_path, cache, workers):
+    # Sampling a batch ahead exhausted torch's RandomSampler, which then drew from the user's
+    # generator once more each epoch: every later epoch was shuffled otherwise. A loader's workers
+    # ask past the last batch, and there it must run out as in a plain run.
+    def make_loader():
+        data = tm.RandomTokenDataset(size=32, seed=1)
+        return _seeded_shuffle(data, num_workers=workers, persistent_workers=workers > 0)
+
+    cached, rates = _fit_loader(cache, make_loader, tmp_path)
+    _same(cached, _fit_loader(False, make_loader, tmp_path)[0])
+    assert rates[-1] == 1.0
+
+
+@pytest.mark.parametrize("limit", [3, 4, 5])
+def test_a_short_last_batch_runs_the_users_generator_out_only_when_it_is_taken(tmp_path, limit):
+    # 36 samples in batches of 8: torch runs the sampler out (RandomSampler draws again) to cut the
+    # fifth batch, which a run of 4 batches an epoch never takes.
+    def make_loader():
+        return _seeded_shuffle(tm.RandomTokenDataset(size=36, seed=1))
+
+    cached, _ = _fit_loader("auto", make_loader, tmp_path, limit_train_batches=limit)
+    _same(cached, _fit_loader(False, make_loader, tmp_path, limit_train_batches=limit)[0])
+
+
+class _OwnGeneratorAugmented(torch.utils.data.Dataset):
+    """Augmentation drawn from a generator the dataset keeps (NumPy's, as ``self.rng`` often is)."""
+
+    def __init__(self, size):
+        self.base = tm.RandomTokenDataset(size=size, seed=1)
+        self.rng = np.random.default_rng(0)
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, index):
+        sample = dict(self.base[index])
+        sample["input_ids"] = sample["input_ids"].clone()
+        sample["input_ids"][1] = int(self.rng.integers(2, 100))
+        return sample
+
+
+def test_loading_the_left_out_samples_leaves_the_datasets_own_generator_as_it_was(tmp_path):
+    def make_loader():
+        return _seeded_shuffle(_OwnGeneratorAugmented(36), drop_last=True)
+
+    cached, _ = _fit_loader("auto", make_loader, tmp_path)
+    _same(cached, _fit_loader(False, make_loader, tmp_path)[0])
+
+
+def test_a_sampler_drawing_as_it_goes_from_the_global_stream_keeps_the_dropout_masks(tmp_path):
+    # Dropout draws from the same stream: a sampler asked earlier than in a plain run moves every mask.
+    def make_loader():
+        return DataLoader(tm.RandomTokenDataset(size=32, seed=1), batch_size=8, sampler=_LazyGlobalSampler(32))
+
+    cached, _ = _fit_loader("auto", make_loader, tmp_path, dropout=0.1)
+    _same(cached, _fit_loader(False, make_loader, tmp_path, dropout=0.1)[0])
+
+
+def test_loading_the_samples_drop_last_left_out_draws_nothing_from_the_random_streams(tmp_path, caplog):
+    # The cache loads them after the epoch, which a plain run never does; augmentation there draws.
+    def make_loader():
+        return _seeded_shuffle(tm.AugmentedTokenDataset(size=36, seed=1), drop_last=True)
+
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        cached, _ = _fit_loader("auto", make_loader, tmp_path)
+    assert any("input changed between epochs" in r.message for r in caplog.records)
+    _same(cached, _fit_loader(False, make_loader, tmp_path)[0])
+
+
+@dataclasses.dataclass
+class _Batch:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+
+
+class _DataclassBatches(tm.TinyBertClassifier):
+    def training_step(self, batch, batch_idx):
+        return self.model(**dataclasses.asdict(batch)).loss
+
+
+def test_a_batch_the_cache_cannot_read_is_refused_for_what_it_is(tmp_path):
+    def collate(samples):
+        return _Batch(*(torch.stack([s[k] for s in samples]) for k in ("input_ids", "attention_mask", "labels")))
+
+    trainer = tm.cached_trainer(tmp_path, True)
+    data = DataLoader(tm.RandomTokenDataset(size=32, seed=1), batch_size=8, collate_fn=collate)
+    with pytest.raises(ValueError, match="a batch of type _Batch holds no tensor with a batch dimension"):
+        trainer.fit(_DataclassBatches(seed=0, dropout=0.0), data)

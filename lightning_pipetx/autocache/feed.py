@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_pipetx.autocache.cache import AutoCache
 from lightning_pipetx.autocache.control import CacheControl, CacheSite
+from lightning_pipetx.autocache.random_streams import generators_kept
 from lightning_pipetx.autocache.sample_keys import RecordingBatchSampler, ValidationKeys, recording
 
 Keys = tuple[torch.Tensor | None, torch.Tensor | None]
@@ -138,7 +139,12 @@ class CacheFeed:
         if not dropped:
             return None
         dataset, collate = self._training_dataset, self._collate
-        return torch.tensor(dropped, dtype=torch.long), lambda: collate([dataset[i] for i in dropped])
+
+        def load() -> Any:
+            with generators_kept(dataset):  # a plain run never reads them: its augmentation draws as without
+                return collate([dataset[i] for i in dropped])
+
+        return torch.tensor(dropped, dtype=torch.long), load
 
     def begin_validation(self, loaders: Any, world_size: int) -> None:
         """Before a validation run in fit (a collective where the validation cache exists). A

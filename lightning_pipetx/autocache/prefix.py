@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from lightning_pipetx.autocache.cache import AutoCache
+from lightning_pipetx.autocache.random_streams import random_state_kept
 from lightning_pipetx.strategy.fingerprint import hidden_state_fingerprints, sample_fingerprints
 from lightning_pipetx.strategy.microbatch import _tensors
 from lightning_pipetx.strategy.p2p import Activation
@@ -51,7 +52,14 @@ class CachedPrefix:
         """Refuse a batch whose rows are not one per sample (the cache keys and fingerprints rows)."""
         firsts = {t.shape[0] for t in _tensors(batch) if t.dim() > 0}
         others = sorted(firsts - {samples})
-        if others and samples in firsts:
+        if not firsts:
+            self._refuse(
+                f"a batch of type {type(batch).__name__} holds no tensor with a batch dimension that the cache "
+                f"can find (it reads the tensors of dicts, lists and tuples), so its rows cannot be matched with "
+                f"the samples whose states are cached: give it tensors with one row per sample, in a dict, list "
+                f"or tuple"
+            )
+        elif others and samples in firsts:
             self._refuse(
                 f"a batch of {samples} samples holds tensors whose first dimension is not that ({others}: a tensor "
                 f"per batch, not per sample), which the cache cannot match with the samples whose states are cached"
@@ -85,6 +93,11 @@ class CachedPrefix:
         cache = self.cache
         if depth == 0 or not (cache.enabled and cache.fills) or cache.cached_depth(indices, depth) == depth:
             return
+        with random_state_kept(self.device):  # a plain run neither loads them nor runs them
+            self._fill(indices, depth, load, run)
+
+    def _fill(self, indices: torch.Tensor, depth: int, load: Callable[[], Any], run: Callable[[Any], Any]) -> None:
+        cache = self.cache
         try:  # loading them may fail too (a dataset opened in the loader's workers only)
             batch = load()
             if _sample_shapes(batch) != self._sample_shapes:

@@ -1,0 +1,80 @@
+"""Running what a plain run does not run (AutoCache's ``drop_last`` fill loads samples no batch
+held and calls the user's step on them) without drawing from a random stream that training reads
+later: the global streams of torch, Python and NumPy, and the generators a dataset keeps."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import numpy
+import torch
+
+_GENERATORS = (torch.Generator, random.Random, numpy.random.Generator, numpy.random.RandomState)
+_LARGEST_CONTAINER = 32  # a dataset's sample lists and vocabularies are not searched
+
+
+@contextlib.contextmanager
+def random_state_kept(device: torch.device) -> Iterator[None]:
+    """Leave torch's (the CPU's and ``device``'s), Python's and NumPy's global random streams as they were."""
+    python_state, numpy_state = random.getstate(), numpy.random.get_state()
+    on_device = device.type != "cpu"
+    try:
+        with torch.random.fork_rng(devices=[device] if on_device else [], device_type=device.type):
+            yield
+    finally:
+        random.setstate(python_state)
+        numpy.random.set_state(numpy_state)
+
+
+@contextlib.contextmanager
+def generators_kept(owner: Any, depth: int = 3) -> Iterator[None]:
+    """Leave the random generators ``owner`` holds (``self.rng`` of a dataset, and those of the
+    objects it holds, ``depth`` attributes deep) as they were."""
+    found = _generators(owner, depth, set())
+    states = [_state(generator) for generator in found]
+    try:
+        yield
+    finally:
+        for generator, state in zip(found, states):
+            _set_state(generator, state)
+
+
+def _generators(obj: Any, depth: int, seen: set[int]) -> list[Any]:
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, _GENERATORS):
+        return [obj]
+    if depth == 0 or isinstance(obj, (torch.Tensor, torch.nn.Module, type, str, bytes)):
+        return []
+    if isinstance(obj, dict):
+        children = list(obj.values()) if len(obj) <= _LARGEST_CONTAINER else []
+    elif isinstance(obj, (list, tuple)):
+        children = list(obj) if len(obj) <= _LARGEST_CONTAINER else []
+    else:
+        children = list(getattr(obj, "__dict__", {}).values())
+    return [generator for child in children for generator in _generators(child, depth - 1, seen)]
+
+
+def _state(generator: Any) -> Any:
+    if isinstance(generator, torch.Generator):
+        return generator.get_state()
+    if isinstance(generator, random.Random):
+        return generator.getstate()
+    if isinstance(generator, numpy.random.Generator):
+        return generator.bit_generator.state
+    return generator.get_state()
+
+
+def _set_state(generator: Any, state: Any) -> None:
+    if isinstance(generator, torch.Generator):
+        generator.set_state(state)
+    elif isinstance(generator, random.Random):
+        generator.setstate(state)
+    elif isinstance(generator, numpy.random.Generator):
+        generator.bit_generator.state = state
+    else:
+        generator.set_state(state)
