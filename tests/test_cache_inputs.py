@@ -1,6 +1,7 @@
 """AutoCache and what its keys rest on: batch-first hidden states, and one training loader of batches."""
 
 import dataclasses
+import random
 
 import lightning.pytorch as pl
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from lightning_pipetx.autocache.random_streams import generators_kept
 from lightning_pipetx.autocache.states import RowLayout
 
 
@@ -376,3 +378,32 @@ def test_a_batch_the_cache_cannot_read_is_refused_for_what_it_is(tmp_path):
     data = DataLoader(tm.RandomTokenDataset(size=32, seed=1), batch_size=8, collate_fn=collate)
     with pytest.raises(ValueError, match="a batch of type _Batch holds no tensor with a batch dimension"):
         trainer.fit(_DataclassBatches(seed=0, dropout=0.0), data)
+
+
+class _Transform(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rng = np.random.default_rng(1)
+
+
+class _HoldsGenerators:
+    def __init__(self):
+        self.transform = _Transform()  # torchvision's v2 transforms are modules
+        self.python = random.Random(0)
+        self.torch = torch.Generator().manual_seed(0)
+        self.entropy = random.SystemRandom()  # no state: left alone
+        self.samples = list(range(1000))  # too large to search
+
+    def draw(self):
+        return (
+            int(self.transform.rng.integers(0, 1000)),
+            self.python.random(),
+            int(torch.randint(1000, (), generator=self.torch)),
+        )
+
+
+def test_the_generators_a_dataset_holds_read_as_before_after_the_fill():
+    expected, held = _HoldsGenerators().draw(), _HoldsGenerators()
+    with generators_kept(held):
+        held.draw(), held.entropy.random()
+    assert held.draw() == expected

@@ -46,9 +46,11 @@ def _generators(obj: Any, depth: int, seen: set[int]) -> list[Any]:
     if id(obj) in seen:
         return []
     seen.add(id(obj))
+    if isinstance(obj, random.SystemRandom):  # the system's entropy: no state, and nothing reproducible
+        return []
     if isinstance(obj, _GENERATORS):
         return [obj]
-    if depth == 0 or isinstance(obj, (torch.Tensor, torch.nn.Module, type, str, bytes)):
+    if depth == 0 or isinstance(obj, (torch.Tensor, type, str, bytes)):
         return []
     if isinstance(obj, dict):
         children = list(obj.values()) if len(obj) <= _LARGEST_CONTAINER else []
