@@ -63,7 +63,6 @@ class RecordingBatchSampler:
         self.ahead: list[int] | None = None  # the batch after the last one yielded
         self.dropped: list[int] = []  # the epoch's samples ``drop_last`` left out, once sampled
         self._last_yielded = False  # the epoch's last batch was yielded
-        self._samples: Iterator[int] | None = None  # the sampler's iterator of this epoch
         self._drawn_up_front = type(batch_sampler) is BatchSampler and draws_up_front(batch_sampler.sampler)
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -84,7 +83,7 @@ class RecordingBatchSampler:
             self.yielded.append(current)
             self._last_yielded = not left
             if self._last_yielded and self._runs_out_with_last():
-                next(self._samples, None)  # torch's BatchSampler runs its sampler out to cut a short last batch
+                next(batches, None)  # torch's BatchSampler runs its sampler out to cut a short last batch
             yield current
         for _ in batches:  # asked past the last batch (a loader's workers ask ahead)
             pass
@@ -96,16 +95,16 @@ class RecordingBatchSampler:
     def _batches(self) -> Iterator[list[int]]:
         """The batches of torch's ``BatchSampler``, made here as it makes them (one pass over its
         sampler, cut in ``batch_size``) without running the sampler out (``RandomSampler`` then
-        draws once more: see :meth:`__iter__`), the cut-off tail of ``drop_last`` read with the last
-        batch (already drawn: reading it draws nothing). Asked for more, it runs its sampler out,
-        as torch's does."""
+        draws once more), the cut-off tail of ``drop_last`` read with the last batch (already drawn:
+        reading it draws nothing). Asked for more, it runs its sampler out, as torch's does (see
+        :meth:`__iter__` for when)."""
         sampler = self.batch_sampler
         size, count, total = sampler.batch_size, len(sampler), len(sampler.sampler)
-        self._samples = samples = iter(sampler.sampler)
+        samples = iter(sampler.sampler)
         for number in range(count):
             batch = list(itertools.islice(samples, min(size, total - number * size)))
             if sampler.drop_last and number == count - 1:
-                self.dropped = list(itertools.islice(samples, len(sampler.sampler) - count * size))
+                self.dropped = list(itertools.islice(samples, total - count * size))
             yield batch
         for _ in samples:
             pass

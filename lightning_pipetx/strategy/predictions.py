@@ -110,19 +110,14 @@ def _per_sample(output: Any, rows: int) -> bool:
 
 
 def _joinable(batches: list[Any], rows: list[int | None]) -> bool:
-    """Whether every prediction has its input batch's samples along its first dimension, and the
-    same shape beyond it."""
+    """Whether every prediction holds a tensor, has its input batch's samples along the first
+    dimension of each (see :func:`_per_sample`), and the same shapes beyond it."""
     if len(rows) != len(batches):
         return False
-    try:
-        if any(batch_size(batch) != size for batch, size in zip(batches, rows)):
-            return False
-    except BatchSplitError:
+    if not all(_tensors(batch) and _per_sample(batch, size) for batch, size in zip(batches, rows)):
         return False
-    if not all(_per_sample(batch, size) for batch, size in zip(batches, rows)):
-        return False
-    shapes = [[(t.dim(), t.shape[1:]) for t in _tensors(batch)] for batch in batches]
-    return all(s == shapes[0] for s in shapes) and all(dim > 0 for dim, _ in shapes[0])
+    shapes = [[t.shape[1:] for t in _tensors(batch)] for batch in batches]
+    return all(s == shapes[0] for s in shapes)
 
 
 def merge_shards(shards: list[list[Any]], rows: list[list[int | None]]) -> list[Any]:
