@@ -125,3 +125,69 @@ def test_an_exception_on_one_rank_ends_every_rank_and_says_what_the_model_lacks(
     for rank in (0, 1):
         assert f"[rank{rank}] save refused: trainer.save_checkpoint after a run that stopped on an error not" in output
     assert not (tmp_path / "incomplete.ckpt").exists()
+
+
+class _LoggingModule:
+    """The ``self.log`` calls of Lightning's documentation and of common fine-tuning scripts."""
+
+    @staticmethod
+    def build():
+        import lightning.pytorch as pl
+
+        class Module(pl.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.model = tiny_bert(seed=0, dropout=0.0)
+
+            def training_step(self, batch, batch_idx):
+                loss = self.model(**batch).loss
+                samples = len(batch["labels"])
+                lengths = batch["attention_mask"].sum(1).float()
+                self.log("loss_loader_batch", loss, batch_size=8, on_step=True, on_epoch=True)  # hparams-style
+                self.log("loss_own_batch", loss, batch_size=samples, on_step=True, on_epoch=True)
+                self.log("samples_sum", float(samples), reduce_fx=sum, on_step=True, on_epoch=True)
+                self.log("samples_torch_sum", float(samples), reduce_fx=torch.sum, on_step=True, on_epoch=True)
+                self.log("longest_max", lengths.max(), reduce_fx=max, on_step=True, on_epoch=True)
+                self.log("shortest_min", lengths.min(), reduce_fx=min, on_step=True, on_epoch=True)
+                return loss
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.0)
+
+        return Module()
+
+
+def _logged_by(strategy):
+    import lightning.pytorch as pl
+    from tiny_models import RandomTokenDataset
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    dataset = RandomTokenDataset(size=14, seed=1)  # batches of 8 and 6
+    loader = DataLoader(dataset, batch_size=8, sampler=DistributedSampler(dataset, 1, 0, shuffle=False))
+    seen = []
+
+    class Steps(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            seen.append({k: float(v) for k, v in trainer.logged_metrics.items() if k.endswith("_step")})
+
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, logger=False, callbacks=[Steps()],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(_LoggingModule.build(), loader)
+    return seen, {k: float(v) for k, v in trainer.logged_metrics.items() if k.endswith("_epoch")}
+
+
+def test_log_calls_merged_over_uneven_microbatches_log_what_one_process_logs():
+    # 3 micro-batches split the batches 3/3/2 and 2/2/2. A batch_size given on every micro-batch
+    # that is not theirs is the whole batch's; Python's sum, max and min reduce as torch's do.
+    from lightning_pipetx import ElasticPipelineStrategy
+
+    plain_steps, plain_epoch = _logged_by("auto")
+    ours_steps, ours_epoch = _logged_by(ElasticPipelineStrategy(num_microbatches=3, profile_steps=0, cache=False))
+    assert [step["samples_sum_step"] for step in plain_steps] == [8.0, 6.0]
+    assert len(ours_steps) == len(plain_steps) == 2 and len(plain_epoch) == 6
+    for ours, plain in zip(ours_steps + [ours_epoch], plain_steps + [plain_epoch]):
+        assert ours.keys() == plain.keys()
+        for name in plain:
+            assert ours[name] == pytest.approx(plain[name], rel=1e-6, abs=1e-7), name

@@ -3,7 +3,7 @@
 The user's training step runs once per micro-batch, and only the last stage reaches the loss
 and the metrics. :class:`LogRecorder` captures the ``self.log`` calls of a step and merges
 them per name, on the device, into the value the whole batch would have logged (weighted by
-micro-batch size, or by the ``batch_size`` a call gave); :class:`LogShare` sends the merged
+micro-batch size, or by the ``batch_size`` the calls gave); :class:`LogShare` sends the merged
 values and the loss from the last stage to the other stages of the replica, and
 :func:`replay` issues them through the module's real ``self.log``. Every rank then holds the
 same logged values: ``callback_metrics``, ``ModelCheckpoint(monitor=...)``, ``EarlyStopping``,
@@ -61,9 +61,28 @@ class MergedLogs:
 
 
 def _reduce_name(reduce_fx: Any) -> str:
+    """The reduction Lightning applies for ``reduce_fx`` (it takes Python's ``sum``, ``max`` and
+    ``min`` as torch's); anything else merges as a mean, and Lightning refuses it at the replay."""
     if isinstance(reduce_fx, str):
         return _REDUCERS.get(reduce_fx.lower(), "mean")
-    return {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}.get(reduce_fx, "mean")
+    for how, functions in (("sum", (torch.sum, sum)), ("max", (torch.max, max)), ("min", (torch.min, min))):
+        if any(reduce_fx is f for f in functions):
+            return how
+    return "mean"
+
+
+def _weights_and_batch_size(samples: list[int], given: list[int | None]) -> tuple[list[float], int]:
+    """Each micro-batch's weight in a merged value, and the batch size the merged call logs.
+
+    ``samples``: the micro-batches' sizes; ``given``: the ``batch_size`` each call passed. One
+    number passed on every micro-batch, other than their sizes, is the whole batch's (the
+    loader's batch size, say ``self.hparams.batch_size``): the values weigh by the samples and
+    the step logs that number, as Lightning's loop would once. Otherwise a given size weighs its
+    micro-batch (a count of tokens, say) and the step logs their sum."""
+    if None not in given and len(set(given)) == 1 and given != samples:
+        return [float(n) for n in samples], int(given[0])
+    weights = [float(n if b is None else b) for n, b in zip(samples, given)]
+    return weights, int(sum(weights))
 
 
 def _number(value: float, device: torch.device) -> torch.Tensor:
@@ -103,7 +122,8 @@ class LogRecorder:
     def __init__(self, module: pl.LightningModule, pipelined: bool = False) -> None:
         self.module = module
         self.pipelined = pipelined  # the calls are replayed on every stage of the replica
-        self._calls: dict[str, list[tuple[Any, dict[str, Any], float]]] = {}  # one call per micro-batch
+        # per name, one call per micro-batch: (value, options, the micro-batch's samples, the batch_size given)
+        self._calls: dict[str, list[tuple[Any, dict[str, Any], int, int | None]]] = {}
         self._weight = 1
         self._logged_now: set[str] = set()  # names logged on the current micro-batch
         self._metric_paths: dict[int, str] = {}  # id of a logged torchmetrics Metric -> its module path
@@ -133,14 +153,13 @@ class LogRecorder:
                 f"replayed on every stage of the replica, where the group's ranks hold other stages. Leave "
                 f"sync_dist_group unset: sync_dist=True then syncs over the replicas."
             )
-        weight = self._weight if batch_size is None else batch_size
         if isinstance(value, torch.Tensor):  # what it holds now: the step may change it after the call
             value = value.detach().clone()
         calls = self._calls.setdefault(name, [])
         if name in self._logged_now:  # logged again on this micro-batch: the last call counts, as in Lightning
             calls.pop()
         self._logged_now.add(name)
-        calls.append((value, arguments, weight))
+        calls.append((value, arguments, self._weight, batch_size))
 
     def _metric_path(self, name: str, metric: Metric) -> str:
         path = self._metric_paths.get(id(metric))
@@ -161,8 +180,8 @@ class LogRecorder:
         """One call per name, in first-logged order, as the whole batch would have logged it."""
         specs, values, sizes = [], [], []
         for name, calls in self._calls.items():
-            value, options, _ = calls[-1]
-            weights = [w for _, _, w in calls]
+            value, options = calls[-1][:2]
+            weights, size = _weights_and_batch_size([c[2] for c in calls], [c[3] for c in calls])
             frozen_options = tuple(sorted(options.items()))
             if isinstance(value, Metric):
                 step_value = value._forward_cache
@@ -172,8 +191,8 @@ class LogRecorder:
             else:
                 how = _reduce_name(options.get("reduce_fx", "mean"))
                 specs.append(LogSpec(name, None, True, frozen_options))
-                values.append(_merge([v for v, _, _ in calls], weights, how, name, device))
-            sizes.append(int(sum(weights)))
+                values.append(_merge([c[0] for c in calls], weights, how, name, device))
+            sizes.append(size)
         return MergedLogs(tuple(specs), values, sizes)
 
 
