@@ -1,6 +1,7 @@
 """Elastic transitions on 4 CPU processes: the layout follows the plan as blocks freeze, and
 training continues exactly as a single process with the same frozen prefix would."""
 
+import csv
 import json
 
 import pytest
@@ -39,6 +40,14 @@ def test_training_continues_as_in_one_process(elastic_run):
     state = reference_run(model)["state"]
     for key, expected in state.items():
         torch.testing.assert_close(result[key], expected, atol=1e-5, rtol=1e-4, msg=key)
+
+
+def test_validation_batches_logged_for_the_step_keep_counting_across_transitions(elastic_run):
+    # 8 validation samples in batches of 4: each replica validates 2 batches in 4x1, then 1 in 2x2 and 1x4.
+    _, out, _ = elastic_run
+    with open(out / "csv" / "version_0" / "metrics.csv") as f:
+        steps = [int(row["step"]) for row in csv.DictReader(f) if row.get("val_batch")]
+    assert steps == [0, 1, 2, 3]  # as DDP counts them; Lightning restarts the count at a rebuilt loader
 
 
 def test_elastic_false_keeps_the_layout_while_freezing(tmp_path):

@@ -34,6 +34,7 @@ from lightning_pipetx.strategy.engine import PipelineEngine
 from lightning_pipetx.strategy.failure import FailureAgreement, explain_training_outputs, restore_after_failure
 from lightning_pipetx.strategy.host_memory import reuse_for_training
 from lightning_pipetx.strategy.lightning_compat import (
+    ValidationBatchCount,
     check_lightning_internals,
     clip_norm_over_stages,
     restore_clipping,
@@ -186,6 +187,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._quiet_writers = QuietWriters()
         self._agreement: FailureAgreement | None = None
         self._restored_profile: list[float] | None = None  # block costs from the checkpoint resumed
+        self._validation_batches = ValidationBatchCount()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -265,6 +267,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         check_lightning_internals(trainer)
         self._last_run = ClosedRun()
         self._metrics.logged_layout = None
+        self._validation_batches = ValidationBatchCount()
         self.accelerator.setup(trainer)
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:  # precision="16-mixed": one scale and one overflow decision for all stages
@@ -387,6 +390,7 @@ class ElasticPipelineStrategy(DDPStrategy):
             self.root_device,
         )
         self._cache_feed.loaders_reloaded()
+        self._validation_batches.keep(trainer)
         self.last_transition = done
         self._transition_seconds = done.seconds
         if trainer.training:  # the epoch's logged values are reduced after this, until the next epoch starts
@@ -555,6 +559,7 @@ class ElasticPipelineStrategy(DDPStrategy):
     def on_validation_start(self) -> None:
         trainer = self.lightning_module.trainer
         if trainer.state.fn == TrainerFn.FITTING:
+            self._validation_batches.restore(trainer)
             self._require_engine().share_updated_weights()
             self._cache_feed.begin_validation(trainer.val_dataloaders, self.world_size)
         self._evaluation_starts()

@@ -70,6 +70,13 @@ INTERNALS = (
         lambda trainer: hasattr(trainer.fit_loop.epoch_loop.val_loop, "_combined_loader"),
     ),
     Internal(
+        "Trainer.fit_loop.epoch_loop.val_loop._seen_batches_per_dataloader",
+        "kept across the validation DataLoader's rebuild after a transition: the step of validation's on_step logs",
+        lambda trainer: isinstance(
+            getattr(trainer.fit_loop.epoch_loop.val_loop, "_seen_batches_per_dataloader", None), dict
+        ),
+    ),
+    Internal(
         "torchmetrics.Metric._forward_cache",
         "a logged metric's value for the step, given to the stages that do not compute it in training_step",
         _metric_has_forward_cache,
@@ -109,6 +116,27 @@ def check_lightning_internals(trainer: pl.Trainer, internals: tuple[Internal, ..
         f"(lightning {lightning.__version__}, torchmetrics {torchmetrics.__version__}) do not have: {names}. "
         f"Install a supported version: {SUPPORTED_VERSIONS}."
     )
+
+
+class ValidationBatchCount:
+    """The count of batches fit's validation has seen per loader: the step its ``on_step`` logs
+    go to. Lightning zeroes it whenever it builds the validation DataLoader, which under DDP
+    happens only where the user asks for reloads (``reload_dataloaders_every_n_epochs``); a
+    transition rebuilds the loader for the new replicas, so the count is kept across it."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, int] | None = None
+
+    def keep(self, trainer: pl.Trainer) -> None:
+        """Before a transition has the loader rebuilt."""
+        if trainer.reload_dataloaders_every_n_epochs == 0:
+            self._kept = dict(trainer.fit_loop.epoch_loop.val_loop._seen_batches_per_dataloader)
+
+    def restore(self, trainer: pl.Trainer) -> None:
+        """At the start of fit's next validation, after Lightning built the loader again."""
+        if self._kept is not None:
+            trainer.fit_loop.epoch_loop.val_loop._seen_batches_per_dataloader.update(self._kept)
+            self._kept = None
 
 
 class WeightAveragingError(ValueError):

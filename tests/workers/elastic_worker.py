@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import torch
 from elastic_cases import EPOCHS, build_module, freeze_callback, train_loader, val_loader
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from worker_exit import run_worker
 
 from lightning_pipetx import ElasticPipelineStrategy
@@ -38,6 +39,15 @@ class LayoutRecorder(Callback):
         self.served.append(sum(shares) if self.epochs[-1][0] > 0 else None)
 
 
+class ValidationBatchLog(Callback):
+    """Logs each validation batch of fit for the step only: the logger writes it at the step
+    Lightning counts validation batches by (which DDP never resets during fit)."""
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if trainer.state.fn == "fit":
+            pl_module.log("val_batch", float(batch_idx), on_step=True, on_epoch=False)
+
+
 def main():
     out_dir, model_name = sys.argv[1], sys.argv[2]
     options = sys.argv[3:]
@@ -56,8 +66,8 @@ def main():
             pipeline_length=min(4, world), num_microbatches=2, profile_steps=0, elastic=elastic
         ),
         max_epochs=EPOCHS,
-        callbacks=[freeze, recorder, checkpoint],
-        logger=False,
+        callbacks=[freeze, recorder, checkpoint, ValidationBatchLog()],
+        logger=CSVLogger(out_dir, name="csv", version=0),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
