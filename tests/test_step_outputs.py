@@ -147,6 +147,12 @@ class _LoggingModule:
                 self.log("loss_own_batch", loss, batch_size=samples, on_step=True, on_epoch=True)
                 self.log("samples_sum", float(samples), reduce_fx=sum, on_step=True, on_epoch=True)
                 self.log("samples_torch_sum", float(samples), reduce_fx=torch.sum, on_step=True, on_epoch=True)
+                tokens = batch["attention_mask"].sum()
+                token_mean = (batch["input_ids"] * batch["attention_mask"]).sum() / tokens
+                self.log(
+                    "loss_padded_tokens", loss, batch_size=int(batch["input_ids"].numel()), on_step=True, on_epoch=True
+                )
+                self.log("id_token_mean", token_mean.float(), batch_size=int(tokens), on_step=True, on_epoch=True)
                 self.log("longest_max", lengths.max(), reduce_fx=max, on_step=True, on_epoch=True)
                 self.log("shortest_min", lengths.min(), reduce_fx=min, on_step=True, on_epoch=True)
                 return loss
@@ -179,14 +185,15 @@ def _logged_by(strategy):
 
 
 def test_log_calls_merged_over_uneven_microbatches_log_what_one_process_logs():
-    # 3 micro-batches split the batches 3/3/2 and 2/2/2. A batch_size given on every micro-batch
-    # that is not theirs is the whole batch's; Python's sum, max and min reduce as torch's do.
+    # 3 micro-batches split the batches 3/3/2 and 2/2/2. The same batch_size on every micro-batch,
+    # the batch's size (or the earlier batches': the loader's), is the whole batch's; a count of
+    # tokens, the micro-batch's. Python's sum, max and min reduce as torch's do.
     from lightning_pipetx import ElasticPipelineStrategy
 
     plain_steps, plain_epoch = _logged_by("auto")
     ours_steps, ours_epoch = _logged_by(ElasticPipelineStrategy(num_microbatches=3, profile_steps=0, cache=False))
     assert [step["samples_sum_step"] for step in plain_steps] == [8.0, 6.0]
-    assert len(ours_steps) == len(plain_steps) == 2 and len(plain_epoch) == 6
+    assert len(ours_steps) == len(plain_steps) == 2 and len(plain_epoch) == 8 and len(plain_steps[0]) == 8
     for ours, plain in zip(ours_steps + [ours_epoch], plain_steps + [plain_epoch]):
         assert ours.keys() == plain.keys()
         for name in plain:

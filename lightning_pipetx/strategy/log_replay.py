@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import numbers
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,18 +72,20 @@ def _reduce_name(reduce_fx: Any) -> str:
     return "mean"
 
 
-def _weights_and_batch_size(samples: list[int], given: list[int | None]) -> tuple[list[float], int]:
-    """Each micro-batch's weight in a merged value, and the batch size the merged call logs.
+def _whole_batch_size(samples: list[int], given: list[Any], known: int | None) -> int | None:
+    """The ``batch_size`` the calls of a step gave when it is the whole batch's, else None.
 
     ``samples``: the micro-batches' sizes; ``given``: the ``batch_size`` each call passed. One
-    number passed on every micro-batch, other than their sizes, is the whole batch's (the
-    loader's batch size, say ``self.hparams.batch_size``): the values weigh by the samples and
-    the step logs that number, as Lightning's loop would once. Otherwise a given size weighs its
-    micro-batch (a count of tokens, say) and the step logs their sum."""
-    if None not in given and len(set(given)) == 1 and given != samples:
-        return [float(n) for n in samples], int(given[0])
-    weights = [float(n if b is None else b) for n, b in zip(samples, given)]
-    return weights, int(sum(weights))
+    integer passed on every micro-batch, other than their sizes, that is the batch's number of
+    samples (or was, at an earlier step: the loader's batch size before a short last batch) is
+    the whole batch's, as ``batch_size=self.hparams.batch_size`` gives. Anything else (the
+    micro-batch's own size, a count of its tokens) is the micro-batch's."""
+    if None in given or not all(isinstance(b, numbers.Integral) for b in given):
+        return None
+    if len(set(given)) != 1 or list(given) == list(samples):
+        return None
+    size = int(given[0])
+    return size if size in (sum(samples), known) else None
 
 
 def _number(value: float, device: torch.device) -> torch.Tensor:
@@ -127,6 +130,7 @@ class LogRecorder:
         self._weight = 1
         self._logged_now: set[str] = set()  # names logged on the current micro-batch
         self._metric_paths: dict[int, str] = {}  # id of a logged torchmetrics Metric -> its module path
+        self._whole_batch_sizes: dict[str, int] = {}  # per name, the batch_size its calls gave for a whole batch
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[LogRecorder]:
@@ -181,7 +185,14 @@ class LogRecorder:
         specs, values, sizes = [], [], []
         for name, calls in self._calls.items():
             value, options = calls[-1][:2]
-            weights, size = _weights_and_batch_size([c[2] for c in calls], [c[3] for c in calls])
+            samples, given = [c[2] for c in calls], [c[3] for c in calls]
+            whole = _whole_batch_size(samples, given, self._whole_batch_sizes.get(name))
+            if whole is not None:  # the values weigh by the samples, and the step logs the batch's size
+                self._whole_batch_sizes[name] = whole
+                weights, size = [float(n) for n in samples], whole
+            else:
+                weights = [float(n if b is None else b) for n, b in zip(samples, given)]
+                size = int(sum(weights))
             frozen_options = tuple(sorted(options.items()))
             if isinstance(value, Metric):
                 step_value = value._forward_cache
