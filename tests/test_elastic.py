@@ -42,12 +42,29 @@ def test_training_continues_as_in_one_process(elastic_run):
         torch.testing.assert_close(result[key], expected, atol=1e-5, rtol=1e-4, msg=key)
 
 
+def _validation_steps(out):
+    with open(out / "csv" / "version_0" / "metrics.csv") as f:
+        return [int(row["step"]) for row in csv.DictReader(f) if row.get("val_batch")]
+
+
 def test_validation_batches_logged_for_the_step_keep_counting_across_transitions(elastic_run):
     # 8 validation samples in batches of 4: each replica validates 2 batches in 4x1, then 1 in 2x2 and 1x4.
-    _, out, _ = elastic_run
-    with open(out / "csv" / "version_0" / "metrics.csv") as f:
-        steps = [int(row["step"]) for row in csv.DictReader(f) if row.get("val_batch")]
-    assert steps == [0, 1, 2, 3]  # as DDP counts them; Lightning restarts the count at a rebuilt loader
+    _, out, report = elastic_run
+    assert _validation_steps(out) == [
+        0,
+        1,
+        2,
+        3,
+    ]  # as DDP counts them; Lightning restarts the count at a rebuilt loader
+    assert report["train_reloads"] == [0, 0, 0]  # the loaders rebuilt for the transitions are not the user's reloads
+
+
+def test_reloading_loaders_every_2_epochs_reloads_when_ddp_does_across_transitions(tmp_path):
+    # Transitions after epochs 0 and 1; the user's reloads at epochs 0 and 2 restart the count, as under DDP.
+    run_workers("elastic_worker.py", 4, str(tmp_path), "bert", "reload2")
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["train_reloads"] == [0, 0, 2]
+    assert _validation_steps(tmp_path) == [0, 1, 2, 0]
 
 
 def test_elastic_false_keeps_the_layout_while_freezing(tmp_path):

@@ -12,6 +12,8 @@ from lightning.pytorch.plugins import MixedPrecision
 from recipes_cases import (
     STEPS,
     albert_module,
+    block_hooks_module,
+    deberta_conv_module,
     fp16_module,
     fp16_reference,
     hidden_states_module,
@@ -290,6 +292,21 @@ def test_outputs_of_every_block_are_refused_under_a_pipeline(mode, request_text,
     assert "pipeline_length=1" in output
 
 
+@pytest.mark.parametrize(
+    "mode, text",
+    [
+        ("between_blocks", "the model changes the hidden state between blocks 0 and 1, outside the block list"),
+        ("block_hooks", "has a forward hook (register_forward_hook) under a pipeline"),
+        ("weight_penalty", "reads the blocks' weights after the model call"),
+    ],
+)
+def test_a_step_that_needs_other_stages_blocks_is_refused_under_a_pipeline(mode, text, tmp_path):
+    # DeBERTa-v2's conv between blocks 0 and 1, deep supervision through block hooks, an L2 penalty in the loss.
+    output = run_workers("recipes_worker.py", 2, str(tmp_path), mode, expect_failure=True)
+    assert "UnsupportedRecipeError" in output and text in output
+    assert "pipeline_length=1" in output
+
+
 def _fit_with_cache(module, cache, tmp_path, caplog):
     from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 
@@ -317,6 +334,31 @@ def test_hidden_states_of_every_layer_switch_the_cache_off_on_one_device(tmp_pat
     assert trainer.callback_metrics.get("pipetx/cache_hit_rate", 0.0) == 0.0
     with pytest.raises(UnsupportedOutputsError, match="Pass cache=False"):
         _fit_with_cache(hidden_states_module(), True, tmp_path, caplog)
+
+
+@pytest.mark.parametrize(
+    "build, reason",
+    [
+        (deberta_conv_module, "the model changes the hidden state between blocks 0 and 1"),
+        (block_hooks_module, "block 0 of the frozen prefix has a forward hook"),
+    ],
+)
+def test_a_prefix_whose_cached_output_would_leave_something_out_is_not_cached(build, reason, tmp_path, caplog):
+    # Served, DeBERTa-v2's conv after block 0 and the hooks' auxiliary loss would be left out.
+    states = {}
+    for cache in ("auto", False):
+        module = build()
+        torch.manual_seed(1)
+        trainer = _fit_with_cache(module, cache, tmp_path / str(cache), caplog)
+        states[cache] = module.state_dict()
+        assert trainer.callback_metrics["pipetx/frozen_blocks"] > 0
+        assert trainer.callback_metrics.get("pipetx/cache_hit_rate", 0.0) == 0.0
+        if cache == "auto":
+            assert any(reason in r.message and "switched off" in r.message for r in caplog.records), caplog.text
+    for key, expected in states[False].items():
+        torch.testing.assert_close(states["auto"][key], expected, atol=0, rtol=0, msg=key)
+    with pytest.raises(ValueError, match="Pass cache=False"):
+        _fit_with_cache(build(), True, tmp_path / "forced", caplog)
 
 
 def test_an_lr_schedule_sized_in_configure_optimizers_sees_the_pipeline_s_batches(tmp_path):

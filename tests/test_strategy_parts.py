@@ -557,3 +557,35 @@ def test_a_run_that_failed_in_validation_leaves_no_evaluation_state_behind():
     metrics.remove()  # teardown after the exception
     metrics.logged_layout = Layout(2, 1)  # a transition 2x1 -> 1x2 ended the epoch
     assert metrics.state_ranks() == Layout(2, 1).stage_ranks(1) == [0]  # global rank 0 is the last stage
+
+
+def test_a_model_masking_its_input_at_random_is_heard_of_unless_the_mask_is_given():
+    # ViT-MAE draws its mask before the blocks; its decoder and loss, on the last stage, use it too.
+    from transformers import ViTMAEConfig, ViTMAEForPreTraining
+
+    from lightning_pipetx.strategy.model_checks import (
+        CollectedOutputChecks,
+        UnsupportedRecipeError,
+        refuse_random_input_mask,
+    )
+
+    config = ViTMAEConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=16,
+        patch_size=8, decoder_hidden_size=16, decoder_num_hidden_layers=1, decoder_num_attention_heads=2,
+        decoder_intermediate_size=32, mask_ratio=0.5,
+    )  # fmt: skip
+    model = ViTMAEForPreTraining(config)
+    heard = []
+    checks = CollectedOutputChecks(model, lambda *a: None, lambda name, switch: heard.append((name, switch)))
+    checks.install()
+    pixels = torch.randn(2, 3, 16, 16)
+    model(pixels)
+    assert heard[0] == ("ViTMAEForPreTraining", "mask_ratio=0.5")
+    heard.clear()
+    model(pixels, torch.rand(2, 4))  # the noise given positionally: every stage draws the same mask
+    model.eval()
+    model(pixels)
+    assert heard == []
+    checks.remove()
+    with pytest.raises(UnsupportedRecipeError, match="pass noise= from the batch"):
+        refuse_random_input_mask("ViTMAEForPreTraining", "mask_ratio=0.5", 2)

@@ -34,7 +34,7 @@ from lightning_pipetx.strategy.engine import PipelineEngine
 from lightning_pipetx.strategy.failure import FailureAgreement, explain_training_outputs, restore_after_failure
 from lightning_pipetx.strategy.host_memory import reuse_for_training
 from lightning_pipetx.strategy.lightning_compat import (
-    ValidationBatchCount,
+    LoaderRebuild,
     check_lightning_internals,
     clip_norm_over_stages,
     restore_clipping,
@@ -46,6 +46,7 @@ from lightning_pipetx.strategy.model_checks import (
     microbatches_for_training,
     refuse_diverging_learning_rates,
     refuse_manual_optimization,
+    refuse_random_input_mask,
     refuse_shared_block_weights,
     refuse_shared_layers,
     refuse_unconverted_batch_norms,
@@ -187,7 +188,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._quiet_writers = QuietWriters()
         self._agreement: FailureAgreement | None = None
         self._restored_profile: list[float] | None = None  # block costs from the checkpoint resumed
-        self._validation_batches = ValidationBatchCount()
+        self._loader_rebuild = LoaderRebuild()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -267,7 +268,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         check_lightning_internals(trainer)
         self._last_run = ClosedRun()
         self._metrics.logged_layout = None
-        self._validation_batches = ValidationBatchCount()
+        self._loader_rebuild = LoaderRebuild()
         self.accelerator.setup(trainer)
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:  # precision="16-mixed": one scale and one overflow decision for all stages
@@ -313,7 +314,9 @@ class ElasticPipelineStrategy(DDPStrategy):
             self.precision_plugin,
             lambda norm, optimizer: self._require_engine().grad_sync.clip_by_norm(norm, optimizer),
         )
-        self._output_checks = CollectedOutputChecks(self.lightning_module, self._refuse_collected_outputs)
+        self._output_checks = CollectedOutputChecks(
+            self.lightning_module, self._refuse_collected_outputs, self._refuse_random_input_mask
+        )
         self._output_checks.install()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -390,7 +393,7 @@ class ElasticPipelineStrategy(DDPStrategy):
             self.root_device,
         )
         self._cache_feed.loaders_reloaded()
-        self._validation_batches.keep(trainer)
+        self._loader_rebuild.keep(trainer)
         self.last_transition = done
         self._transition_seconds = done.seconds
         if trainer.training:  # the epoch's logged values are reduced after this, until the next epoch starts
@@ -462,6 +465,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         epoch = self.lightning_module.trainer.current_epoch
         if epoch != self._epoch_begun:  # batch 0, or the first batch of an epoch resumed mid-way
             self._epoch_begun = epoch
+            self._loader_rebuild.training_rebuilt(self.lightning_module.trainer)
             self._metrics.begin_epoch(self.lightning_module)
             refuse_diverging_learning_rates(self.optimizers, self.root_device)
             self._autocache.begin_epoch(self.world_size)
@@ -481,6 +485,10 @@ class ElasticPipelineStrategy(DDPStrategy):
     def _refuse_collected_outputs(self, model: str, what: str) -> None:
         length, training = self._require_engine().layout.pipeline_length, self.lightning_module.trainer.training
         refuse_collected_outputs(model, what, length, training, self.cache, self._autocache)
+
+    def _refuse_random_input_mask(self, model: str, switch: str) -> None:
+        if self._require_engine().layout.pipeline_length > 1 and self.lightning_module.trainer.training:
+            refuse_random_input_mask(model, switch, self.engine.layout.pipeline_length)
 
     def _require_engine(self) -> PipelineEngine:
         if self.engine is None:
@@ -559,7 +567,7 @@ class ElasticPipelineStrategy(DDPStrategy):
     def on_validation_start(self) -> None:
         trainer = self.lightning_module.trainer
         if trainer.state.fn == TrainerFn.FITTING:
-            self._validation_batches.restore(trainer)
+            self._loader_rebuild.validation_rebuilt(trainer)
             self._require_engine().share_updated_weights()
             self._cache_feed.begin_validation(trainer.val_dataloaders, self.world_size)
         self._evaluation_starts()

@@ -23,6 +23,7 @@ from lightning_pipetx.strategy.autopipe import Plan
 from lightning_pipetx.strategy.grad_sync import DEFAULT_BUCKET_BYTES, GradientSync
 from lightning_pipetx.strategy.log_replay import LogRecorder, LogShare, replay
 from lightning_pipetx.strategy.microbatch import batch_size, join_outputs, split_batch, whole_batch_size
+from lightning_pipetx.strategy.model_checks import UnsupportedRecipeError
 from lightning_pipetx.strategy.output_relay import OutputRelay
 from lightning_pipetx.strategy.p2p import Channel
 from lightning_pipetx.strategy.param_store import ParamStore, broadcast_, broadcast_all, gather_block_state
@@ -68,6 +69,9 @@ class PipelineEngine:
         self.store = store
         store.release(self.block_range)
 
+        self._other_stages_params = [
+            (i, p) for i in range(split.num_blocks) if i not in self.block_range for p in split.block_parameters(i)
+        ]
         block_param_ids = {id(p) for i in range(split.num_blocks) for p in split.block_parameters(i)}
         block_buffer_ids = {id(b) for b in split.blocks.buffers()}
         pre_buffer_ids = {id(b) for _, pre in split.pre for b in pre.buffers()}
@@ -176,6 +180,7 @@ class PipelineEngine:
                 outputs = self.runner.train(
                     microbatches, self._step_fn(step, args, kwargs, sizes), weights, self.schedule
                 )
+            self._refuse_gradients_of_other_stages()
         except BaseException:
             self.grad_sync.abort()  # no reduction starts after a failed schedule
             raise
@@ -198,6 +203,19 @@ class PipelineEngine:
                 joined = join_outputs(outputs, sizes)
             return {**joined, "loss": loss}
         return loss
+
+    def _refuse_gradients_of_other_stages(self) -> None:
+        """A weight of a block another stage runs got a gradient here: the step read it after the
+        model call (a weight penalty over ``self.parameters()``), where this rank holds a placeholder."""
+        for index, param in self._other_stages_params:
+            if param.grad is not None:
+                raise UnsupportedRecipeError(
+                    f"a weight of block {index}, which stage {self.topology.stage} does not run, got a gradient "
+                    f"there: the training step reads the blocks' weights after the model call (a weight penalty "
+                    f"such as L2 or L2-SP summed over self.parameters()). Under a pipeline each stage holds only "
+                    f"its own blocks' weights (the others read NaN). Give the penalty to the optimizer "
+                    f"(weight_decay), or pass ElasticPipelineStrategy(pipeline_length=1)."
+                )
 
     def fill_cache(
         self, step: Callable[..., Any], args: tuple, kwargs: dict, indices: torch.Tensor, load: Callable[[], Any]

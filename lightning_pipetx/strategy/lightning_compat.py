@@ -77,6 +77,14 @@ INTERNALS = (
         ),
     ),
     Internal(
+        "Trainer.fit_loop._last_train_dl_reload_epoch and its val_loop's _last_val_dl_reload_epoch",
+        "kept across the rebuild after a transition, so that reload_dataloaders_every_n_epochs reloads when under DDP",
+        lambda trainer: (
+            hasattr(trainer.fit_loop, "_last_train_dl_reload_epoch")
+            and hasattr(trainer.fit_loop.epoch_loop.val_loop, "_last_val_dl_reload_epoch")
+        ),
+    ),
+    Internal(
         "torchmetrics.Metric._forward_cache",
         "a logged metric's value for the step, given to the stages that do not compute it in training_step",
         _metric_has_forward_cache,
@@ -118,25 +126,45 @@ def check_lightning_internals(trainer: pl.Trainer, internals: tuple[Internal, ..
     )
 
 
-class ValidationBatchCount:
-    """The count of batches fit's validation has seen per loader: the step its ``on_step`` logs
-    go to. Lightning zeroes it whenever it builds the validation DataLoader, which under DDP
-    happens only where the user asks for reloads (``reload_dataloaders_every_n_epochs``); a
-    transition rebuilds the loader for the new replicas, so the count is kept across it."""
+class LoaderRebuild:
+    """What Lightning's loops reset when they build a DataLoader, kept across the rebuild a
+    transition forces (for the new replicas): the epoch of each loop's last reload, from which
+    ``reload_dataloaders_every_n_epochs`` counts, and the batches fit's validation has seen per
+    loader, the step its ``on_step`` logs go to. Under DDP neither moves between the user's reloads."""
 
     def __init__(self) -> None:
-        self._kept: dict[int, int] | None = None
+        self._train_reload: float | None = None
+        self._val_reload: float | None = None
+        self._val_seen: dict[int, int] = {}
 
     def keep(self, trainer: pl.Trainer) -> None:
-        """Before a transition has the loader rebuilt."""
-        if trainer.reload_dataloaders_every_n_epochs == 0:
-            self._kept = dict(trainer.fit_loop.epoch_loop.val_loop._seen_batches_per_dataloader)
+        """Before a transition has the loaders rebuilt."""
+        val_loop = trainer.fit_loop.epoch_loop.val_loop
+        self._train_reload = trainer.fit_loop._last_train_dl_reload_epoch
+        self._val_reload = val_loop._last_val_dl_reload_epoch
+        self._val_seen = dict(val_loop._seen_batches_per_dataloader)
 
-    def restore(self, trainer: pl.Trainer) -> None:
-        """At the start of fit's next validation, after Lightning built the loader again."""
-        if self._kept is not None:
-            trainer.fit_loop.epoch_loop.val_loop._seen_batches_per_dataloader.update(self._kept)
-            self._kept = None
+    def training_rebuilt(self, trainer: pl.Trainer) -> None:
+        """At the first batch of the epoch after a transition (Lightning built the loader at its start)."""
+        if self._train_reload is not None:
+            if not _user_reload_due(trainer, self._train_reload):
+                trainer.fit_loop._last_train_dl_reload_epoch = self._train_reload
+            self._train_reload = None
+
+    def validation_rebuilt(self, trainer: pl.Trainer) -> None:
+        """At the start of fit's next validation (Lightning built the loader just before)."""
+        if self._val_reload is not None:
+            if not _user_reload_due(trainer, self._val_reload):
+                val_loop = trainer.fit_loop.epoch_loop.val_loop
+                val_loop._last_val_dl_reload_epoch = self._val_reload
+                val_loop._seen_batches_per_dataloader.update(self._val_seen)
+            self._val_reload = None
+
+
+def _user_reload_due(trainer: pl.Trainer, last_reload: float) -> bool:
+    """Whether ``reload_dataloaders_every_n_epochs`` has Lightning reload now (as its loops decide)."""
+    every = trainer.reload_dataloaders_every_n_epochs
+    return bool(every) and trainer.current_epoch - last_reload >= every
 
 
 class WeightAveragingError(ValueError):

@@ -13,6 +13,7 @@ set-up: the strategy runs each training step's backwards itself.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,9 @@ from torch import nn
 log = logging.getLogger("lightning_pipetx")
 
 COLLECTED_OUTPUTS = ("output_hidden_states", "output_attentions", "output_router_logits")
+# Config switches of models that mask their input at random in training before the blocks (ViT-MAE,
+# wav2vec2 and its kin), with the forward argument that gives the mask or its noise instead.
+RANDOM_INPUT_MASKS = (("mask_ratio", "noise"), ("mask_time_prob", "mask_time_indices"), ("mask_feature_prob", None))
 
 
 class ManualOptimizationError(ValueError):
@@ -153,6 +157,20 @@ def refuse_shared_layers(root: nn.Module, blocks: nn.Module, pipeline_length: in
             )
 
 
+def refuse_random_input_mask(model: str, switch: str, pipeline_length: int) -> None:
+    """Refuse a model that masks its input at random before the blocks, under a pipeline: each
+    stage draws the mask from its own random numbers, and the stages after the first use it too
+    (ViT-MAE's ``ids_restore`` in its decoder and loss)."""
+    key = switch.split("=")[0]
+    given_by = dict(RANDOM_INPUT_MASKS)[key]
+    instead = f"pass {given_by}= from the batch (the same on every stage), " if given_by else ""
+    raise UnsupportedRecipeError(
+        f"{model}.config.{switch} under a {pipeline_length}-stage pipeline: the model masks its input at random "
+        f"in training, and each stage would draw its own mask from its own random numbers. Either {instead}set "
+        f"model.config.{key} = 0, or pass ElasticPipelineStrategy(pipeline_length=1)."
+    )
+
+
 def refuse_block_dropping(settings: list[tuple[str, str, float]], pipeline_length: int) -> None:
     """Refuse a model that drops whole blocks at random under a pipeline: each stage would draw
     its own skips, and a stage whose last blocks are skipped never reaches its boundary."""
@@ -165,12 +183,40 @@ def refuse_block_dropping(settings: list[tuple[str, str, float]], pipeline_lengt
         )
 
 
-class CollectedOutputChecks:
-    """Installs the checks on every Hugging Face and timm model inside ``root``."""
+def random_input_mask(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> str | None:
+    """The config switch (``"mask_ratio=0.75"``) under which the Hugging Face model ``module``
+    draws a random mask of its input in this call, or None."""
+    config = module.config
+    if not module.training or not getattr(config, "apply_spec_augment", True):
+        return None
+    for key, given_by in RANDOM_INPUT_MASKS:
+        value = getattr(config, key, 0)
+        if not isinstance(value, (int, float)) or value <= 0:
+            continue
+        if given_by is not None:
+            try:
+                arguments = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+            except TypeError:
+                arguments = kwargs
+            if arguments.get(given_by) is not None:
+                continue
+        return f"{key}={value:g}"
+    return None
 
-    def __init__(self, root: nn.Module, on_request: Callable[[str, str], None]) -> None:
+
+class CollectedOutputChecks:
+    """Installs the checks on every Hugging Face and timm model inside ``root``: ``on_request``
+    hears of outputs of every block asked for, ``on_random_mask`` of an input masked at random."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        on_request: Callable[[str, str], None],
+        on_random_mask: Callable[[str, str], None] | None = None,
+    ) -> None:
         self.root = root
         self.on_request = on_request
+        self.on_random_mask = on_random_mask
         self._handles: list[Any] = []
         self._wrapped: list[nn.Module] = []
 
@@ -194,6 +240,10 @@ class CollectedOutputChecks:
         for flag in COLLECTED_OUTPUTS:
             if kwargs.get(flag) or getattr(module.config, flag, False):
                 self.on_request(type(module).__name__, flag)
+        if self.on_random_mask is not None:
+            switch = random_input_mask(module, args, kwargs)
+            if switch is not None:
+                self.on_random_mask(type(module).__name__, switch)
 
     def _intermediates(self, module: nn.Module, original: Callable, *args: Any, **kwargs: Any) -> Any:
         self.on_request(type(module).__name__, "forward_intermediates")

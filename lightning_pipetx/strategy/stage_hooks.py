@@ -107,11 +107,15 @@ class StageHooks:
         if self.calls is not None:
             self._count(index, self.calls)
         if index == 0 and self.on_prefix_input is not None:
-            hidden = args[0] if args else kwargs.get(first_arg)
+            hidden = _first_input(args, kwargs, first_arg)
             if isinstance(hidden, torch.Tensor):
                 self.on_prefix_input(hidden)
+        if index == self.start and self.skip_until > self.start:  # the first block AutoCache would skip
+            self._serve_only_unhooked_blocks()
         start = max(self.start, self.skip_until)
         if index < start:
+            if _has_user_forward_hook(self.blocks[index]):
+                _refuse_hooked_skipped_block(index)
             incoming = self._incoming()
             if index == self.end - 1 and not self.is_last_stage:  # the whole stage was cached
                 raise StageExit(incoming)
@@ -124,7 +128,14 @@ class StageHooks:
                 f"the model's forward must call its blocks in order."
             )
         if index == start and start > 0:
-            args, kwargs = _replace_first_input(args, kwargs, first_arg, self._incoming().tensor)
+            incoming, hidden = self._incoming().tensor, _first_input(args, kwargs, first_arg)
+            if hidden is not None and hidden is not incoming:
+                _refuse_changed_boundary(index, served=start > self.start)
+            args, kwargs = _replace_first_input(args, kwargs, first_arg, incoming)
+        if index == self.capture_at + 1 and self.captured is not None:
+            self._check_captured_input(index, _first_input(args, kwargs, first_arg))
+        if index == start and self.capture_at >= start:
+            self._capture_only_unhooked_blocks(start)
         if index == start and self.on_first_block is not None:
             self.on_first_block()
         output = self.timer.run(index, original, *args, **kwargs)
@@ -166,12 +177,41 @@ class StageHooks:
                 f"(concatenate the views into one batch), or pass ElasticPipelineStrategy(pipeline_length=1)."
             )
         if self.on_uncacheable is not None:
-            self.on_uncacheable(
+            self._uncacheable(
                 f"block {index} ran twice in one {calls.step} (the model called more than once per step, or reusing "
                 f"a block's weights as ALBERT does): a cached state stands for one run of each block"
             )
-            self.on_uncacheable = None
-            self.skip_until, self.capture_at, self.captured = 0, -1, None  # every block computed from here on
+            self.skip_until = 0
+
+    def _serve_only_unhooked_blocks(self) -> None:
+        """AutoCache serves none of the blocks it would skip when one has a forward hook (which
+        would see the cached state instead of the block's output): they run, and it stops."""
+        hooked = [i for i in range(self.start, self.skip_until) if _has_user_forward_hook(self.blocks[i])]
+        if hooked:
+            self._uncacheable(f"block {hooked[0]} of the frozen prefix has a forward hook, which a cached state skips")
+            self.skip_until = 0
+
+    def _capture_only_unhooked_blocks(self, start: int) -> None:
+        hooked = [i for i in range(start, self.capture_at + 1) if _has_user_forward_hook(self.blocks[i])]
+        if hooked:
+            self._uncacheable(f"block {hooked[0]} of the frozen prefix has a forward hook, which a cached state skips")
+
+    def _check_captured_input(self, index: int, hidden: Any) -> None:
+        """The captured output of block ``index - 1`` must be what block ``index`` gets, or a
+        cached state would leave out what the model does between them."""
+        if hidden is not self.captured.tensor:
+            self._uncacheable(
+                f"the model changes the hidden state between blocks {index - 1} and {index}, outside the block "
+                f"list, so block {index - 1}'s output is not block {index}'s input"
+            )
+
+    def _uncacheable(self, reason: str) -> None:
+        """AutoCache's part in this micro-batch ends (its ``on_uncacheable`` says why); every block
+        from here on is computed."""
+        if self.on_uncacheable is not None:
+            self.on_uncacheable(reason)
+        self.on_uncacheable = None
+        self.capture_at, self.captured = -1, None
 
     def _capture(self, output: Any) -> None:
         try:
@@ -195,6 +235,43 @@ class StageHooks:
                 "pipeline_length=1."
             )
         return self.incoming
+
+
+# Forward hooks that see no block output: ours (a trace's), and transformers' output capturing,
+# inert unless outputs of every block are asked for (which is refused, or turns the cache off).
+_INERT_HOOK_MODULES = ("lightning_pipetx", "transformers.utils.output_capturing")
+
+
+def _has_user_forward_hook(block: nn.Module) -> bool:
+    hooks = block._forward_hooks
+    return bool(hooks) and any(
+        not str(getattr(hook, "__module__", "")).startswith(_INERT_HOOK_MODULES) for hook in hooks.values()
+    )
+
+
+def _first_input(args: tuple, kwargs: dict[str, Any], first_arg: str | None) -> Any:
+    return args[0] if args else kwargs.get(first_arg)
+
+
+def _refuse_hooked_skipped_block(index: int) -> None:
+    raise UnsupportedRecipeError(
+        f"block {index} has a forward hook (register_forward_hook) under a pipeline: the block runs on another "
+        f"stage, and on this one the hook would get the hidden state this stage received instead of the block's "
+        f"output (deep supervision, feature distillation). Take what the hook collects from the model's outputs, "
+        f"or pass ElasticPipelineStrategy(pipeline_length=1)."
+    )
+
+
+def _refuse_changed_boundary(index: int, served: bool) -> None:
+    where = "AutoCache's cached state" if served else "a pipeline stage boundary"
+    fix = "cache=False" if served else "pipeline_length=1"
+    raise UnsupportedRecipeError(
+        f"the model changes the hidden state between blocks {index - 1} and {index}, outside the block list (a "
+        f"module applied between blocks, as DeBERTa-v2's conv after block 0, or a residual added around each "
+        f"block, as XLM's feed-forward list), or a forward pre-hook of block {index} replaced its input: "
+        f"{where} stands for block {index - 1}'s output there and would leave that out. Pass "
+        f"ElasticPipelineStrategy({fix}), or blocks= naming a list whose blocks hold all of each layer's work."
+    )
 
 
 def _replace_first_input(

@@ -1,8 +1,8 @@
 """Train with FreezeCallback under an elastic pipeline; rank 0 saves weights and the layout per epoch.
 
-Usage: torchrun --nproc_per_node=N elastic_worker.py OUT_DIR MODEL (bert | timm_vit) [static] [groups] [resume CKPT]
-("static": elastic=False, the layout stays while blocks freeze; "groups": two AdamW parameter
-groups split by parameter shape; "resume": fit from CKPT)
+Usage: torchrun --nproc_per_node=N elastic_worker.py OUT_DIR MODEL (bert | timm_vit) [static] [groups] [reload2]
+[resume CKPT] ("static": elastic=False, the layout stays while blocks freeze; "groups": two AdamW parameter
+groups split by parameter shape; "reload2": reload_dataloaders_every_n_epochs=2; "resume": fit from CKPT)
 """
 
 import json
@@ -27,6 +27,7 @@ class LayoutRecorder(Callback):
         self.freeze = freeze
         self.epochs = []
         self.served = []
+        self.reloads = []
 
     def on_train_epoch_start(self, trainer, pl_module):
         layout = trainer.strategy.layout
@@ -34,6 +35,7 @@ class LayoutRecorder(Callback):
         self.epochs.append([self.freeze.frozen_blocks, layout.pipeline_length, layout.replicas, batch])
 
     def on_train_epoch_end(self, trainer, pl_module):
+        self.reloads.append(trainer.fit_loop._last_train_dl_reload_epoch)  # reload_dataloaders_every_n_epochs counts on
         metrics = trainer.callback_metrics
         shares = [float(v) for k, v in metrics.items() if k.startswith("pipetx/cache_served_") and "bytes" not in k]
         self.served.append(sum(shares) if self.epochs[-1][0] > 0 else None)
@@ -53,6 +55,7 @@ def main():
     options = sys.argv[3:]
     elastic = "static" not in options
     ckpt_path = options[options.index("resume") + 1] if "resume" in options else None
+    reload_every = 2 if "reload2" in options else 0
     optimizer = "adamw_groups" if "groups" in options else "adamw"
     world = int(os.environ["WORLD_SIZE"])
     freeze = freeze_callback()
@@ -71,6 +74,7 @@ def main():
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        reload_dataloaders_every_n_epochs=reload_every,
     )
     module = build_module(model_name, optimizer)
     trainer.fit(module, train_loader(model_name), val_loader(model_name), ckpt_path=ckpt_path)
@@ -88,6 +92,7 @@ def main():
         report = {
             "epochs": recorder.epochs,
             "served": recorder.served,
+            "train_reloads": recorder.reloads,
             "metrics": fit_metrics,
             "validate": metrics,
             "refused_after_validate": refused,

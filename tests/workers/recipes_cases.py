@@ -353,3 +353,56 @@ def fp16_reference(optimizer: str = "adamw") -> dict[str, torch.Tensor]:
     trainer.fit(module, train_loader(GLOBAL_BATCH, sampler))
     scale = trainer.precision_plugin.scaler.get_scale()
     return {"state": module.state_dict(), "scale": scale, "freeze": freeze.state_dict()}
+
+
+def deberta_conv_module() -> pl.LightningModule:
+    """A tiny DeBERTa-v2 whose encoder applies a convolution to block 0's output before block 1
+    (``conv_kernel_size``): a module outside the block list, between two blocks."""
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+    module = build_case_module({"model": "bert", "lr": 1e-3})
+    config = DebertaV2Config(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_labels=NUM_LABELS,
+        relative_attention=True,
+        position_buckets=16,
+        pos_att_type=["p2c", "c2p"],
+        conv_kernel_size=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(0)
+    module.model = DebertaV2ForSequenceClassification(config)
+    return module
+
+
+def block_hooks_module() -> pl.LightningModule:
+    """A tiny BERT whose forward hooks on its blocks collect each block's output for an auxiliary
+    loss (deep supervision)."""
+    module = build_case_module({"model": "bert", "lr": 1e-3})
+    collected = []
+    for block in module.model.bert.encoder.layer:
+        block.register_forward_hook(lambda m, args, out: collected.append(out[0] if isinstance(out, tuple) else out))
+
+    def training_step(batch, batch_idx):
+        collected.clear()
+        loss = module.model(**batch).loss
+        return loss + 0.01 * sum(h.pow(2).mean() for h in collected)
+
+    module.training_step = training_step
+    return module
+
+
+def weight_penalty_module() -> pl.LightningModule:
+    """A tiny BERT whose training step adds an L2 penalty over every weight to the loss."""
+    module = build_case_module({"model": "bert", "lr": 1e-3})
+
+    def training_step(batch, batch_idx):
+        return module.model(**batch).loss + 1e-4 * sum(p.pow(2).sum() for p in module.parameters())
+
+    module.training_step = training_step
+    return module

@@ -22,6 +22,8 @@ from recipes_cases import (
     STEPS,
     ReentrantCheckpointing,
     albert_module,
+    block_hooks_module,
+    deberta_conv_module,
     epoch_metrics_module,
     fp16_module,
     fp16_plugin,
@@ -38,6 +40,7 @@ from recipes_cases import (
     timm_checkpointing_module,
     train_loader,
     two_calls_module,
+    weight_penalty_module,
 )
 from worker_exit import run_worker
 
@@ -129,6 +132,9 @@ def main() -> None:
         "reentrant": lambda: ReentrantCheckpointing(seed=0, dropout=0.0),
         "two_calls": two_calls_module,
         "random_collate_popped": popping_module,
+        "between_blocks": deberta_conv_module,
+        "block_hooks": block_hooks_module,
+        "weight_penalty": weight_penalty_module,
     }.get(mode, hook_counting_module)()
     if mode == "layerdrop":  # as Wav2Vec2's and HuBERT's configs have by default
         module.model.config.layerdrop = 0.1
@@ -147,7 +153,9 @@ def main() -> None:
     # state): the ranks agree on the failure within a third of this timeout.
     timeout = timedelta(
         seconds=30
-        if mode in ("hidden_states", "intermediates", "timm_checkpointing", "reentrant", "two_calls")
+        if mode
+        in ("hidden_states", "intermediates", "timm_checkpointing", "reentrant", "two_calls", "between_blocks")
+        + ("block_hooks", "weight_penalty")
         else 1800
     )
     trainer = pl.Trainer(
