@@ -104,7 +104,10 @@ class OutputRelay:
         if not topo.is_last_stage:
             raise RuntimeError(
                 f"stage {topo.stage} finished a model call without reaching block {self.hooks.end - 1}: the "
-                f"model's forward must run every block."
+                f"model's forward must run every block. "
+                f"If it never calls the modules of the block list found (a list of lists, as "
+                f"Funnel Transformer's), name the list it calls with ElasticPipelineStrategy(blocks=...), or pass "
+                f"pipeline_length=1."
             )
         return output
 

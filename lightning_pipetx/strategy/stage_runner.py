@@ -271,7 +271,10 @@ class StageRunner:
         if not topo.is_last_stage:
             raise RuntimeError(
                 f"stage {topo.stage} finished its step without reaching block {self.hooks.end - 1}: the "
-                f"model's forward must run every block for each micro-batch."
+                f"model's forward must run every block for each micro-batch. "
+                f"If it never calls the modules of the block list found (a list of lists, as "
+                f"Funnel Transformer's), name the list it calls with ElasticPipelineStrategy(blocks=...), or pass "
+                f"pipeline_length=1."
             )
         return _InFlight(incoming, output), None
 
