@@ -8,6 +8,7 @@ import tiny_models as tm
 import torch
 from distributed import run_workers
 from elastic_cases import build_module, reference_run, train_loader
+from equivalence_cases import build_case_module
 from lightning.pytorch.plugins import MixedPrecision
 from recipes_cases import (
     STEPS,
@@ -352,6 +353,23 @@ def test_a_prefix_whose_cached_output_would_leave_something_out_is_not_cached(bu
         torch.testing.assert_close(states["auto"][key], expected, atol=0, rtol=0, msg=key)
     with pytest.raises(ValueError, match="Pass cache=False"):
         _fit_with_cache(build(), True, tmp_path / "forced", caplog)
+
+
+def test_blocks_under_torch_s_composable_checkpoint_are_cached(tmp_path, caplog):
+    # Its forward hooks leave the block's output alone: the cache serves, and trains as without it.
+    from torch.distributed._composable import checkpoint
+
+    states = {}
+    for cache in ("auto", False):
+        module = build_case_module({"model": "bert", "lr": 1e-3})
+        for block in module.model.bert.encoder.layer:
+            checkpoint(block)
+        torch.manual_seed(1)
+        trainer = _fit_with_cache(module, cache, tmp_path / str(cache), caplog)
+        states[cache] = module.state_dict()
+    assert trainer.callback_metrics["pipetx/frozen_blocks"] > 0 and "switched off" not in caplog.text
+    for key, expected in states[False].items():
+        torch.testing.assert_close(states["auto"][key], expected, atol=0, rtol=0, msg=key)
 
 
 def test_an_lr_schedule_sized_in_configure_optimizers_sees_the_pipeline_s_batches(tmp_path):

@@ -587,5 +587,21 @@ def test_a_model_masking_its_input_at_random_is_heard_of_unless_the_mask_is_give
     model(pixels)
     assert heard == []
     checks.remove()
+    # wav2vec2's time masks change block 0's input only, which only the first stage uses.
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+    speech = Wav2Vec2ForCTC(
+        Wav2Vec2Config(
+            hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, conv_dim=(8, 8),
+            conv_stride=(4, 4), conv_kernel=(8, 8), num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2,
+            vocab_size=8, mask_time_prob=0.3, mask_time_length=2,
+        )
+    )  # fmt: skip
+    checks = CollectedOutputChecks(speech, lambda *a: None, lambda name, switch: heard.append((name, switch)))
+    checks.install()
+    speech.train()
+    speech(torch.randn(2, 400))
+    checks.remove()
+    assert heard == []
     with pytest.raises(UnsupportedRecipeError, match="pass noise= from the batch"):
         refuse_random_input_mask("ViTMAEForPreTraining", "mask_ratio=0.5", 2)

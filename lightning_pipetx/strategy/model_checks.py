@@ -25,9 +25,11 @@ from torch import nn
 log = logging.getLogger("lightning_pipetx")
 
 COLLECTED_OUTPUTS = ("output_hidden_states", "output_attentions", "output_router_logits")
-# Config switches of models that mask their input at random in training before the blocks (ViT-MAE,
-# wav2vec2 and its kin), with the forward argument that gives the mask or its noise instead.
-RANDOM_INPUT_MASKS = (("mask_ratio", "noise"), ("mask_time_prob", "mask_time_indices"), ("mask_feature_prob", None))
+# Config switches of models that mask their input at random in training before the blocks and use
+# the mask after them too (ViT-MAE's ids_restore, in its decoder and loss), with the forward argument
+# that gives the mask's noise instead. wav2vec2's time and feature masks are not here: they change
+# block 0's input only, which exists on the first stage alone.
+RANDOM_INPUT_MASKS = (("mask_ratio", "noise"),)
 
 
 class ManualOptimizationError(ValueError):

@@ -237,9 +237,14 @@ class StageHooks:
         return self.incoming
 
 
-# Forward hooks that see no block output: ours (a trace's), and transformers' output capturing,
-# inert unless outputs of every block are asked for (which is refused, or turns the cache off).
-_INERT_HOOK_MODULES = ("lightning_pipetx", "transformers.utils.output_capturing")
+# Forward hooks that leave a block's output alone and collect nothing from it: ours (a trace's), torch's
+# composable activation checkpoint, and transformers' output capturing, inert unless outputs of every
+# block are asked for (which is refused, or turns the cache off).
+_INERT_HOOK_MODULES = (
+    "lightning_pipetx",
+    "torch.distributed._composable.checkpoint_activation",
+    "transformers.utils.output_capturing",
+)
 
 
 def _has_user_forward_hook(block: nn.Module) -> bool:
