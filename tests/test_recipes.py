@@ -339,18 +339,11 @@ def test_hidden_states_of_every_layer_switch_the_cache_off_on_one_device(tmp_pat
 )
 def test_a_prefix_whose_cached_output_would_leave_something_out_is_not_cached(build, reason, tmp_path, caplog):
     # Served, DeBERTa-v2's conv after block 0 and the hooks' auxiliary loss would be left out.
-    states = {}
-    for cache in ("auto", False):
-        module = build()
-        torch.manual_seed(1)
-        trainer = _fit_with_cache(module, cache, tmp_path / str(cache), caplog)
-        states[cache] = module.state_dict()
+    runs = _with_and_without_cache(build, tmp_path, caplog)
+    for trainer in runs.values():
         assert trainer.callback_metrics["pipetx/frozen_blocks"] > 0
         assert trainer.callback_metrics.get("pipetx/cache_hit_rate", 0.0) == 0.0
-        if cache == "auto":
-            assert any(reason in r.message and "switched off" in r.message for r in caplog.records), caplog.text
-    for key, expected in states[False].items():
-        torch.testing.assert_close(states["auto"][key], expected, atol=0, rtol=0, msg=key)
+    assert any(reason in r.message and "switched off" in r.message for r in caplog.records), caplog.text
     with pytest.raises(ValueError, match="Pass cache=False"):
         _fit_with_cache(build(), True, tmp_path / "forced", caplog)
 
@@ -359,17 +352,31 @@ def test_blocks_under_torch_s_composable_checkpoint_are_cached(tmp_path, caplog)
     # Its forward hooks leave the block's output alone: the cache serves, and trains as without it.
     from torch.distributed._composable import checkpoint
 
-    states = {}
-    for cache in ("auto", False):
+    def build():
         module = build_case_module({"model": "bert", "lr": 1e-3})
         for block in module.model.bert.encoder.layer:
             checkpoint(block)
+        return module
+
+    runs = _with_and_without_cache(build, tmp_path, caplog)
+    assert runs["auto"].callback_metrics["pipetx/frozen_blocks"] > 0 and "switched off" not in caplog.text
+    metrics = runs["auto"].callback_metrics
+    served = [float(v) for k, v in metrics.items() if k.startswith("pipetx/cache_served_") and "bytes" not in k]
+    assert sum(served) > 0  # the last epoch's samples came from the cache (a shallower depth, then computed on)
+
+
+def _with_and_without_cache(build, tmp_path, caplog):
+    """Fit ``build()`` with ``cache="auto"`` and with ``cache=False``, from the same random state;
+    the weights must be equal to the bit. The trainers, by cache setting."""
+    runs, states = {}, {}
+    for cache in ("auto", False):
+        module = build()
         torch.manual_seed(1)
-        trainer = _fit_with_cache(module, cache, tmp_path / str(cache), caplog)
+        runs[cache] = _fit_with_cache(module, cache, tmp_path / str(cache), caplog)
         states[cache] = module.state_dict()
-    assert trainer.callback_metrics["pipetx/frozen_blocks"] > 0 and "switched off" not in caplog.text
     for key, expected in states[False].items():
         torch.testing.assert_close(states["auto"][key], expected, atol=0, rtol=0, msg=key)
+    return runs
 
 
 def test_an_lr_schedule_sized_in_configure_optimizers_sees_the_pipeline_s_batches(tmp_path):

@@ -487,8 +487,9 @@ class ElasticPipelineStrategy(DDPStrategy):
         refuse_collected_outputs(model, what, length, training, self.cache, self._autocache)
 
     def _refuse_random_input_mask(self, model: str, switch: str) -> None:
-        if self._require_engine().layout.pipeline_length > 1 and self.lightning_module.trainer.training:
-            refuse_random_input_mask(model, switch, self.engine.layout.pipeline_length)
+        length = self._require_engine().layout.pipeline_length
+        if length > 1 and self.lightning_module.trainer.training:
+            refuse_random_input_mask(model, switch, length)
 
     def _require_engine(self) -> PipelineEngine:
         if self.engine is None:

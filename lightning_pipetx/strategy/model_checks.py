@@ -25,11 +25,11 @@ from torch import nn
 log = logging.getLogger("lightning_pipetx")
 
 COLLECTED_OUTPUTS = ("output_hidden_states", "output_attentions", "output_router_logits")
-# Config switches of models that mask their input at random in training before the blocks and use
-# the mask after them too (ViT-MAE's ids_restore, in its decoder and loss), with the forward argument
-# that gives the mask's noise instead. wav2vec2's time and feature masks are not here: they change
+# The config switch of a model that masks its input at random in training before the blocks and uses
+# the mask after them too (ViT-MAE's ids_restore, in its decoder and loss), and the forward argument
+# that gives the mask's noise instead. wav2vec2's time and feature masks are not checked: they change
 # block 0's input only, which exists on the first stage alone.
-RANDOM_INPUT_MASKS = (("mask_ratio", "noise"),)
+RANDOM_MASK_SWITCH, RANDOM_MASK_NOISE = "mask_ratio", "noise"
 
 
 class ManualOptimizationError(ValueError):
@@ -163,13 +163,11 @@ def refuse_random_input_mask(model: str, switch: str, pipeline_length: int) -> N
     """Refuse a model that masks its input at random before the blocks, under a pipeline: each
     stage draws the mask from its own random numbers, and the stages after the first use it too
     (ViT-MAE's ``ids_restore`` in its decoder and loss)."""
-    key = switch.split("=")[0]
-    given_by = dict(RANDOM_INPUT_MASKS)[key]
-    instead = f"pass {given_by}= from the batch (the same on every stage), " if given_by else ""
     raise UnsupportedRecipeError(
         f"{model}.config.{switch} under a {pipeline_length}-stage pipeline: the model masks its input at random "
-        f"in training, and each stage would draw its own mask from its own random numbers. Either {instead}set "
-        f"model.config.{key} = 0, or pass ElasticPipelineStrategy(pipeline_length=1)."
+        f"in training, and each stage would draw its own mask from its own random numbers. Either pass "
+        f"{RANDOM_MASK_NOISE}= from the batch (the same on every stage), set model.config.{RANDOM_MASK_SWITCH} = 0, "
+        f"or pass ElasticPipelineStrategy(pipeline_length=1)."
     )
 
 
@@ -188,22 +186,14 @@ def refuse_block_dropping(settings: list[tuple[str, str, float]], pipeline_lengt
 def random_input_mask(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> str | None:
     """The config switch (``"mask_ratio=0.75"``) under which the Hugging Face model ``module``
     draws a random mask of its input in this call, or None."""
-    config = module.config
-    if not module.training or not getattr(config, "apply_spec_augment", True):
+    value = getattr(module.config, RANDOM_MASK_SWITCH, 0)
+    if not module.training or not isinstance(value, (int, float)) or value <= 0:
         return None
-    for key, given_by in RANDOM_INPUT_MASKS:
-        value = getattr(config, key, 0)
-        if not isinstance(value, (int, float)) or value <= 0:
-            continue
-        if given_by is not None:
-            try:
-                arguments = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
-            except TypeError:
-                arguments = kwargs
-            if arguments.get(given_by) is not None:
-                continue
-        return f"{key}={value:g}"
-    return None
+    try:
+        arguments = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        arguments = kwargs
+    return None if arguments.get(RANDOM_MASK_NOISE) is not None else f"{RANDOM_MASK_SWITCH}={value:g}"
 
 
 class CollectedOutputChecks:

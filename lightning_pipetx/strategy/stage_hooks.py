@@ -135,7 +135,7 @@ class StageHooks:
         if index == self.capture_at + 1 and self.captured is not None:
             self._check_captured_input(index, _first_input(args, kwargs, first_arg))
         if index == start and self.capture_at >= start:
-            self._capture_only_unhooked_blocks(start)
+            self._uncacheable_if_hooked(range(start, self.capture_at + 1))
         if index == start and self.on_first_block is not None:
             self.on_first_block()
         output = self.timer.run(index, original, *args, **kwargs)
@@ -186,15 +186,15 @@ class StageHooks:
     def _serve_only_unhooked_blocks(self) -> None:
         """AutoCache serves none of the blocks it would skip when one has a forward hook (which
         would see the cached state instead of the block's output): they run, and it stops."""
-        hooked = [i for i in range(self.start, self.skip_until) if _has_user_forward_hook(self.blocks[i])]
-        if hooked:
-            self._uncacheable(f"block {hooked[0]} of the frozen prefix has a forward hook, which a cached state skips")
+        if self._uncacheable_if_hooked(range(self.start, self.skip_until)):
             self.skip_until = 0
 
-    def _capture_only_unhooked_blocks(self, start: int) -> None:
-        hooked = [i for i in range(start, self.capture_at + 1) if _has_user_forward_hook(self.blocks[i])]
-        if hooked:
-            self._uncacheable(f"block {hooked[0]} of the frozen prefix has a forward hook, which a cached state skips")
+    def _uncacheable_if_hooked(self, indices: range) -> bool:
+        """End AutoCache's part where a block of ``indices`` (of the frozen prefix) has a forward hook."""
+        hooked = next((i for i in indices if _has_user_forward_hook(self.blocks[i])), None)
+        if hooked is not None:
+            self._uncacheable(f"block {hooked} of the frozen prefix has a forward hook, which a cached state skips")
+        return hooked is not None
 
     def _check_captured_input(self, index: int, hidden: Any) -> None:
         """The captured output of block ``index - 1`` must be what block ``index`` gets, or a

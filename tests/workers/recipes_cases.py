@@ -242,22 +242,24 @@ def albert_module() -> pl.LightningModule:
     each group, a block of its block list, runs twice in every forward."""
     from transformers import AlbertConfig, AlbertForSequenceClassification
 
-    module = build_case_module({"model": "bert", "lr": 1e-3})
-    config = AlbertConfig(
-        vocab_size=VOCAB,
+    return _tiny_hf_module(
+        AlbertForSequenceClassification,
+        AlbertConfig,
         embedding_size=16,
-        hidden_size=HIDDEN,
         num_hidden_layers=4,
         num_hidden_groups=2,
-        num_attention_heads=2,
-        intermediate_size=64,
         max_position_embeddings=64,
-        num_labels=NUM_LABELS,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
     )
+
+
+def _tiny_hf_module(model_class, config_class, **config) -> pl.LightningModule:
+    """The case module with a tiny Hugging Face classifier of ``model_class`` (no dropout) as its model."""
+    module = build_case_module({"model": "bert", "lr": 1e-3})
+    sizes = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=2, intermediate_size=64)
+    no_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = config_class(**sizes, num_labels=NUM_LABELS, **no_dropout, **config)
     torch.manual_seed(0)
-    module.model = AlbertForSequenceClassification(config)
+    module.model = model_class(config)
     return module
 
 
@@ -360,24 +362,15 @@ def deberta_conv_module() -> pl.LightningModule:
     (``conv_kernel_size``): a module outside the block list, between two blocks."""
     from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
 
-    module = build_case_module({"model": "bert", "lr": 1e-3})
-    config = DebertaV2Config(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
+    return _tiny_hf_module(
+        DebertaV2ForSequenceClassification,
+        DebertaV2Config,
         num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        num_labels=NUM_LABELS,
         relative_attention=True,
         position_buckets=16,
         pos_att_type=["p2c", "c2p"],
         conv_kernel_size=3,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
     )
-    torch.manual_seed(0)
-    module.model = DebertaV2ForSequenceClassification(config)
-    return module
 
 
 def block_hooks_module() -> pl.LightningModule:
