@@ -1,5 +1,6 @@
 """Common LightningModule recipes under the strategy, as a new user writes them (issue 12)."""
 
+import functools
 import json
 
 import lightning.pytorch as pl
@@ -10,6 +11,7 @@ from distributed import run_workers
 from elastic_cases import build_module, reference_run, train_loader
 from equivalence_cases import build_case_module
 from lightning.pytorch.plugins import MixedPrecision
+from lightning.pytorch.profilers import PyTorchProfiler
 from recipes_cases import (
     STEPS,
     albert_module,
@@ -72,10 +74,12 @@ def _reports(out, mode):
     return [json.loads((out / f"{mode}_rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
-def test_backward_hooks_fire_on_every_rank_and_the_summary_counts_every_weight(tmp_path):
-    run_workers("recipes_worker.py", 2, str(tmp_path), "hooks")
+@pytest.mark.parametrize("mode", ["hooks", "hooks_profiled"])
+def test_backward_hooks_fire_on_every_rank_and_the_summary_counts_every_weight(mode, tmp_path):
+    # hooks_profiled: under Lightning's PyTorchProfiler, whose forward hooks on every module time them
+    run_workers("recipes_worker.py", 2, str(tmp_path), mode)
     full_size = sum(p.numel() for p in hook_counting_module().parameters())
-    for report in _reports(tmp_path, "hooks"):
+    for report in _reports(tmp_path, mode):
         assert report["hook_calls"] == {"on_before_backward": STEPS, "on_after_backward": STEPS, "grads_seen": STEPS}
         assert report["summary_parameters"] == full_size  # released blocks keep their sizes
 
@@ -292,6 +296,7 @@ def test_stages_reading_different_batches_is_an_error(mode, tmp_path):
         # DeBERTa-v2's conv between blocks 0 and 1, deep supervision through block hooks, an L2 penalty in the loss.
         ("between_blocks", "UnsupportedRecipeError", "changes the hidden state between blocks 0 and 1, outside"),
         ("block_hooks", "UnsupportedRecipeError", "has a forward hook (register_forward_hook) under a pipeline"),
+        ("block_hooks_inside", "UnsupportedRecipeError", "or a module inside it, has a forward hook"),
         ("weight_penalty", "UnsupportedRecipeError", "reads the blocks' weights after the model call"),
     ],
 )
@@ -301,7 +306,7 @@ def test_a_step_that_needs_what_other_stages_hold_is_refused_under_a_pipeline(mo
     assert "pipeline_length=1" in output
 
 
-def _fit_with_cache(module, cache, tmp_path, caplog):
+def _fit_with_cache(module, cache, tmp_path, caplog, **trainer_args):
     from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 
     trainer = pl.Trainer(
@@ -315,6 +320,7 @@ def _fit_with_cache(module, cache, tmp_path, caplog):
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        **trainer_args,
     )
     with caplog.at_level("WARNING", logger="lightning_pipetx"):
         trainer.fit(module, train_loader("bert"))
@@ -334,7 +340,8 @@ def test_hidden_states_of_every_layer_switch_the_cache_off_on_one_device(tmp_pat
     "build, reason",
     [
         (deberta_conv_module, "the model changes the hidden state between blocks 0 and 1"),
-        (block_hooks_module, "block 0 of the frozen prefix has a forward hook"),
+        (block_hooks_module, "block 0 of the frozen prefix, or a module inside it, has a forward hook"),
+        (functools.partial(block_hooks_module, inside=True), "or a module inside it, has a forward hook"),
     ],
 )
 def test_a_prefix_whose_cached_output_would_leave_something_out_is_not_cached(build, reason, tmp_path, caplog):
@@ -342,40 +349,50 @@ def test_a_prefix_whose_cached_output_would_leave_something_out_is_not_cached(bu
     runs = _with_and_without_cache(build, tmp_path, caplog)
     for trainer in runs.values():
         assert trainer.callback_metrics["pipetx/frozen_blocks"] > 0
-        assert trainer.callback_metrics.get("pipetx/cache_hit_rate", 0.0) == 0.0
+        assert _served_fraction(trainer) == 0.0
     assert any(reason in r.message and "switched off" in r.message for r in caplog.records), caplog.text
     with pytest.raises(ValueError, match="Pass cache=False"):
         _fit_with_cache(build(), True, tmp_path / "forced", caplog)
 
 
-def test_blocks_under_torch_s_composable_checkpoint_are_cached(tmp_path, caplog):
-    # Its forward hooks leave the block's output alone: the cache serves, and trains as without it.
+@pytest.mark.parametrize("hooks", ["composable_checkpoint", "pytorch_profiler"])
+def test_blocks_under_hooks_that_leave_their_outputs_alone_are_cached(hooks, tmp_path, caplog):
+    # torch's composable activation checkpoint puts forward hooks on the blocks, Lightning's
+    # PyTorchProfiler on every module: the cache serves, and trains as without it.
     from torch.distributed._composable import checkpoint
 
     def build():
         module = build_case_module({"model": "bert", "lr": 1e-3})
-        for block in module.model.bert.encoder.layer:
+        for block in module.model.bert.encoder.layer if hooks == "composable_checkpoint" else []:
             checkpoint(block)
         return module
 
-    runs = _with_and_without_cache(build, tmp_path, caplog)
+    profiler = PyTorchProfiler(dirpath=str(tmp_path), filename="profile") if hooks == "pytorch_profiler" else None
+    runs = _with_and_without_cache(build, tmp_path, caplog, profiler=profiler)
     assert runs["auto"].callback_metrics["pipetx/frozen_blocks"] > 0 and "switched off" not in caplog.text
-    metrics = runs["auto"].callback_metrics
-    served = [float(v) for k, v in metrics.items() if k.startswith("pipetx/cache_served_") and "bytes" not in k]
-    assert sum(served) > 0  # the last epoch's samples came from the cache (a shallower depth, then computed on)
+    assert _served_fraction(runs["auto"]) > 0  # the last epoch's samples came from the cache (a shallower depth)
 
 
-def _with_and_without_cache(build, tmp_path, caplog):
+def _served_fraction(trainer):
+    """The fraction of the last epoch's training samples AutoCache served, from any depth and tier."""
+    metrics = trainer.callback_metrics
+    return sum(float(v) for k, v in metrics.items() if k.startswith("pipetx/cache_served_") and "bytes" not in k)
+
+
+def _with_and_without_cache(build, tmp_path, caplog, **trainer_args):
     """Fit ``build()`` with ``cache="auto"`` and with ``cache=False``, from the same random state;
-    the weights must be equal to the bit. The trainers, by cache setting."""
+    the weights and the values the step logged must be equal to the bit. The trainers, by cache setting."""
     runs, states = {}, {}
     for cache in ("auto", False):
         module = build()
         torch.manual_seed(1)
-        runs[cache] = _fit_with_cache(module, cache, tmp_path / str(cache), caplog)
+        runs[cache] = _fit_with_cache(module, cache, tmp_path / str(cache), caplog, **trainer_args)
         states[cache] = module.state_dict()
     for key, expected in states[False].items():
         torch.testing.assert_close(states["auto"][key], expected, atol=0, rtol=0, msg=key)
+    logged = {k: v for k, v in runs[False].callback_metrics.items() if not k.startswith("pipetx/")}
+    for key, expected in logged.items():
+        torch.testing.assert_close(runs["auto"].callback_metrics[key], expected, atol=0, rtol=0, msg=key)
     return runs
 
 

@@ -75,6 +75,7 @@ class StageHooks:
         self.is_last_stage = is_last_stage
         self.incoming: Activation | None = None
         self.timer = BlockTimer(len(blocks))
+        self._block_modules = [list(block.modules()) for block in blocks]  # whose forward hooks a skip would bypass
         # Set per micro-batch by AutoCache on the first stage: skip the blocks before
         # ``skip_until`` (``incoming`` holds their cached output), and keep the output of
         # block ``capture_at`` in ``captured``.
@@ -114,7 +115,7 @@ class StageHooks:
             self._serve_only_unhooked_blocks()
         start = max(self.start, self.skip_until)
         if index < start:
-            if _has_user_forward_hook(self.blocks[index]):
+            if _has_user_forward_hook(self._block_modules[index]):
                 _refuse_hooked_skipped_block(index)
             incoming = self._incoming()
             if index == self.end - 1 and not self.is_last_stage:  # the whole stage was cached
@@ -191,9 +192,12 @@ class StageHooks:
 
     def _uncacheable_if_hooked(self, indices: range) -> bool:
         """End AutoCache's part where a block of ``indices`` (of the frozen prefix) has a forward hook."""
-        hooked = next((i for i in indices if _has_user_forward_hook(self.blocks[i])), None)
+        hooked = next((i for i in indices if _has_user_forward_hook(self._block_modules[i])), None)
         if hooked is not None:
-            self._uncacheable(f"block {hooked} of the frozen prefix has a forward hook, which a cached state skips")
+            self._uncacheable(
+                f"block {hooked} of the frozen prefix, or a module inside it, has a forward hook, which a cached "
+                f"state skips"
+            )
         return hooked is not None
 
     def _check_captured_input(self, index: int, hidden: Any) -> None:
@@ -238,20 +242,33 @@ class StageHooks:
 
 
 # Forward hooks that leave a block's output alone and collect nothing from it: ours (a trace's), torch's
-# composable activation checkpoint, and transformers' output capturing, inert unless outputs of every
-# block are asked for (which is refused, or turns the cache off).
+# composable activation checkpoint, transformers' output capturing, inert unless outputs of every block
+# are asked for (which is refused, or turns the cache off), and Lightning's PyTorchProfiler, which names
+# each module's time (a module that does not run has none).
 _INERT_HOOK_MODULES = (
     "lightning_pipetx",
     "torch.distributed._composable.checkpoint_activation",
     "transformers.utils.output_capturing",
+    "lightning.pytorch.profilers",
 )
 
 
-def _has_user_forward_hook(block: nn.Module) -> bool:
-    hooks = block._forward_hooks
-    return bool(hooks) and any(
-        not str(getattr(hook, "__module__", "")).startswith(_INERT_HOOK_MODULES) for hook in hooks.values()
+def _has_user_forward_hook(modules: list[nn.Module]) -> bool:
+    """Whether one of ``modules`` (a block and the modules inside it) has a forward hook of the
+    user's: skipped, the block would hand it the hidden state its stage received, and the modules
+    inside it would not call theirs."""
+    return any(
+        not str(getattr(_unwrapped(hook), "__module__", "")).startswith(_INERT_HOOK_MODULES)
+        for module in modules
+        if module._forward_hooks
+        for hook in module._forward_hooks.values()
     )
+
+
+def _unwrapped(hook: Callable) -> Callable:
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    return hook
 
 
 def _first_input(args: tuple, kwargs: dict[str, Any], first_arg: str | None) -> Any:
@@ -260,10 +277,11 @@ def _first_input(args: tuple, kwargs: dict[str, Any], first_arg: str | None) -> 
 
 def _refuse_hooked_skipped_block(index: int) -> None:
     raise UnsupportedRecipeError(
-        f"block {index} has a forward hook (register_forward_hook) under a pipeline: the block runs on another "
-        f"stage, and on this one the hook would get the hidden state this stage received instead of the block's "
-        f"output (deep supervision, feature distillation). Take what the hook collects from the model's outputs, "
-        f"or pass ElasticPipelineStrategy(pipeline_length=1)."
+        f"block {index}, or a module inside it, has a forward hook (register_forward_hook) under a pipeline: the "
+        f"block runs on another stage, and on this one the hook would get the hidden state this stage received "
+        f"instead of the block's output, or not be called at all (deep supervision, feature distillation, "
+        f"attention maps). Take what the hook collects from the model's outputs, or pass "
+        f"ElasticPipelineStrategy(pipeline_length=1)."
     )
 
 

@@ -373,18 +373,21 @@ def deberta_conv_module() -> pl.LightningModule:
     )
 
 
-def block_hooks_module() -> pl.LightningModule:
-    """A tiny BERT whose forward hooks on its blocks collect each block's output for an auxiliary
-    loss (deep supervision)."""
+def block_hooks_module(inside: bool = False) -> pl.LightningModule:
+    """A tiny BERT whose forward hooks on its blocks (``inside``: on each block's attention output,
+    a module inside it) collect their outputs for an auxiliary loss (deep supervision)."""
     module = build_case_module({"model": "bert", "lr": 1e-3})
     collected = []
     for block in module.model.bert.encoder.layer:
-        block.register_forward_hook(lambda m, args, out: collected.append(out[0] if isinstance(out, tuple) else out))
+        (block.attention.output if inside else block).register_forward_hook(
+            lambda m, args, out: collected.append(out[0] if isinstance(out, tuple) else out)
+        )
 
     def training_step(batch, batch_idx):
         collected.clear()
-        loss = module.model(**batch).loss
-        return loss + 0.01 * sum(h.pow(2).mean() for h in collected)
+        loss = module.model(**batch).loss + 0.01 * sum(h.pow(2).mean() for h in collected)
+        module.log("total_loss", loss)
+        return loss
 
     module.training_step = training_step
     return module

@@ -1,7 +1,7 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
 rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped) [resume CKPT]
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | hooks_profiled | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped) [resume CKPT]
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do) and
 "own_sampler" turns Lightning's distributed sampler off: both give the two stages different
@@ -16,6 +16,7 @@ from datetime import timedelta
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, ModelCheckpoint, ModelPruning
+from lightning.pytorch.profilers import PyTorchProfiler
 from lightning.pytorch.utilities.model_summary import summarize
 from recipes_cases import (
     GLOBAL_BATCH,
@@ -114,6 +115,7 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     module = {
         "hooks": hook_counting_module,
+        "hooks_profiled": hook_counting_module,
         "fp16": fp16_module,
         "fp16_fused": lambda: fp16_module("adamw_fused"),
         "fp16_fused_replicas": lambda: fp16_module("adamw_fused"),
@@ -134,6 +136,7 @@ def main() -> None:
         "random_collate_popped": popping_module,
         "between_blocks": deberta_conv_module,
         "block_hooks": block_hooks_module,
+        "block_hooks_inside": lambda: block_hooks_module(inside=True),
         "weight_penalty": weight_penalty_module,
     }.get(mode, hook_counting_module)()
     if mode == "layerdrop":  # as Wav2Vec2's and HuBERT's configs have by default
@@ -155,7 +158,7 @@ def main() -> None:
         seconds=30
         if mode
         in ("hidden_states", "intermediates", "timm_checkpointing", "reentrant", "two_calls", "between_blocks")
-        + ("block_hooks", "weight_penalty")
+        + ("block_hooks", "block_hooks_inside", "weight_penalty")
         else 1800
     )
     trainer = pl.Trainer(
@@ -177,6 +180,8 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=2 if mode == "epoch_metrics" else 0,
         val_check_interval="00:00:00:01" if mode == "timed_validation" else None,
+        # Lightning's PyTorchProfiler puts forward hooks on every module, to name each one's time
+        profiler=PyTorchProfiler(dirpath=out_dir, filename="profile") if mode == "hooks_profiled" else None,
     )
     # the loader's batch is per replica, as under DDP: the global batch is GLOBAL_BATCH on either layout
     batch = GLOBAL_BATCH // 2 if length == 1 else GLOBAL_BATCH
@@ -190,7 +195,7 @@ def main() -> None:
         loader = torch.utils.data.DataLoader(loader.dataset, batch_size=GLOBAL_BATCH, collate_fn=random_masking)
     trainer.fit(module, loader, loader if mode in ("plateau", "epoch_metrics") else None, ckpt_path=resume)
     report = {"summary_parameters": summary.total_parameters}
-    if mode == "hooks":
+    if mode.startswith("hooks"):
         report["hook_calls"] = module.hook_calls
     elif mode.startswith("scheduled"):
         report["estimated_steps"] = module.estimated_steps
