@@ -66,6 +66,8 @@ def test_on_save_checkpoint_reads_the_whole_model_on_the_rank_that_writes(four_r
     # ... and only while it is saved: after the save at epoch 0's end they read NaN again.
     counts = reports[0]["released_nan"]
     assert len(counts) == 2 and counts[0] == counts[1] > 0
+    # Every rank's hook gets the checkpoint's keys, as under DDP (the values are written by rank 0).
+    assert all(r["saved_keys"] == sorted(state) for r in reports)
 
 
 def test_a_checkpoint_keeps_the_gradient_norms_of_every_stage(four_ranks):

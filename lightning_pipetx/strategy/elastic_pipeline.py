@@ -691,7 +691,8 @@ class ElasticPipelineStrategy(DDPStrategy):
             self._store.take_back()
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The plain module's ``state_dict``, with every block gathered on global rank 0."""
+        """The plain module's ``state_dict``, with every block gathered on global rank 0 (which writes
+        it); on the other ranks the blocks of other stages read NaN."""
         self._take_back_lent_blocks()
         if self._plan_after_run() is not None:  # every rank holds every block
             return self.lightning_module.state_dict()
@@ -703,8 +704,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         state = self.lightning_module.state_dict()
         prefix = self._split.path + "."
         gathered = engine.block_state(prefix)
-        if not self.is_global_zero:
-            return {}
+        if not self.is_global_zero:  # every key, as under DDP, for on_save_checkpoint hooks
+            return state
         state.update(gathered)
         self._store.lend(state, prefix)  # until save_checkpoint: on_save_checkpoint reads the whole model
         return state

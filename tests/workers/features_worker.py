@@ -74,9 +74,12 @@ class Classifier(pl.LightningModule):
         optimizer = torch.optim.AdamW(self.parameters(), lr=3e-3)
         return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)]
 
+    saved_keys = ()
+
     def on_save_checkpoint(self, checkpoint):
         # An export copy of the encoder read from the module itself (as EMA or fp16 export recipes do).
         checkpoint["encoder_copy"] = {k: v.clone() for k, v in self.model.bert.encoder.state_dict().items()}
+        self.saved_keys = sorted(checkpoint["state_dict"])  # every rank calls the hook, as under DDP
 
 
 class ReleasedWeights(Callback):
@@ -145,6 +148,7 @@ def main():
         report["stopped"] = stopping.stopped_epoch
         report["best_model_path"] = checkpoint.best_model_path
         report["released_nan"] = released.counts
+        report["saved_keys"] = model.saved_keys
         report["lr"] = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
         report["validate"] = trainer.validate(model, loader(14, 4, 2), verbose=False)[0]
         report["test"] = trainer.test(model, loader(14, 4, 3), verbose=False)[0]
