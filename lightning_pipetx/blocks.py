@@ -61,6 +61,13 @@ class BlockSplit:
     post_by_use: tuple[tuple[str, nn.Parameter], ...] = ()
     post_modules: tuple[tuple[str, nn.Module], ...] = ()
 
+    def __repr__(self) -> str:
+        names = lambda pairs: [name for name, _ in pairs]  # noqa: E731
+        return (
+            f"BlockSplit(path={self.path!r}, num_blocks={self.num_blocks}, pre={names(self.pre)}, "
+            f"post={names(self.post)})"
+        )
+
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)

@@ -240,7 +240,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--devices", type=_positive, required=True, help="world size N")
     add("--pipeline-length", type=_positive, help="initial stages K0 (default: chosen as pipeline_length='auto')")
     add("--memory-gb", type=float, help="memory per device for the automatic choice (default: this GPU's, or 16)")
-    add("--num-nodes", type=_positive, default=1, help="nodes the devices span; 'auto' keeps a pipeline in one")
+    add(
+        "--num-nodes",
+        type=_positive,
+        default=1,
+        help="nodes the devices span (a pipeline the planner picks stays in one)",
+    )
     add("--alpha", type=float, default=1 / 3, help="freeze progression bound, in [0.001, 1]")
     add("--min-active-blocks", type=_positive, default=1, help="blocks that never freeze")
     add("--microbatches", type=_positive, help="micro-batches (default: 1 for K=1, else 2K)")

@@ -167,6 +167,14 @@ def test_bert_prefix_is_embeddings_then_leading_layers():
     assert list(split.block_parameters(2)) == list(model.bert.encoder.layer[2].parameters())
 
 
+def test_a_split_prints_as_the_split_not_the_model():
+    split = find_blocks(tm.tiny_bert())
+    assert repr(split) == (
+        "BlockSplit(path='bert.encoder.layer', num_blocks=4, pre=['bert.embeddings'], "
+        "post=['dropout', 'classifier', 'bert.pooler'])"
+    )
+
+
 def test_pre_parameters_are_unique_with_tied_weights():
     model = tm.tiny_gpt2()
     split = find_blocks(model)

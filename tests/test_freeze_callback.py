@@ -221,6 +221,10 @@ class GradNormProbe(Callback):
         (dict(min_active_blocks=2.0), "min_active_blocks"),
         (dict(signal="loss"), "signal"),
         (dict(signal="Schedule"), "signal"),
+        # the guard's settings are checked without a monitor too
+        (dict(mode="bogus"), "mode='bogus'"),
+        (dict(tolerance=-1), "tolerance=-1"),
+        (dict(monitor="val_acc", tolerance="0.1"), "tolerance='0.1'"),
     ],
 )
 def test_invalid_arguments(kwargs, match):

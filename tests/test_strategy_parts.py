@@ -217,6 +217,10 @@ def test_schedules_run_each_microbatch_forward_then_backward(schedule, stages, m
         ({"bucket_cap_mb": True}, "bucket_cap_mb=True"),
         ({"sampler": "random"}, "sampler='random'"),
         ({"reuse_host_memory": "yes"}, "reuse_host_memory='yes'"),
+        ({"cache_ram_bytes": "8GB"}, "cache_ram_bytes='8GB'"),
+        ({"cache_ram_bytes": -5}, "cache_ram_bytes=-5"),
+        ({"cache_device_bytes": True}, "cache_device_bytes=True"),
+        ({"cache_dir": 3}, "cache_dir=3"),
     ],
 )
 def test_invalid_arguments_are_refused(kwargs, match):

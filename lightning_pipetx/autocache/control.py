@@ -37,6 +37,11 @@ class CacheSite:
     private_processes: int = 1
 
 
+def _bytes(value: object) -> bool:
+    """Whether ``value`` is a number of bytes (a whole number >= 0; True and False are not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def cache_directories(run_token: str, node_rank: int, spill_root: str | None) -> tuple[Path, Path]:
     """RAM folder (``/dev/shm`` when there is one) and disk folder for one run on one node."""
     name = f"pipetx-{run_token}-node{node_rank}"
@@ -59,10 +64,14 @@ class CacheControl:
     def __init__(self, mode: bool | str, cache_dir: str | None, ram_bytes: int, device_bytes: int | str) -> None:
         if mode not in ("auto", True, False):
             raise ValueError(f"ElasticPipelineStrategy(cache={mode!r}): use 'auto', True or False.")
-        if not (device_bytes == "auto" or (isinstance(device_bytes, int) and device_bytes >= 0)):
+        if not (device_bytes == "auto" or (_bytes(device_bytes))):
             raise ValueError(
                 f"ElasticPipelineStrategy(cache_device_bytes={device_bytes!r}): use 'auto' or a number of bytes >= 0."
             )
+        if not _bytes(ram_bytes):
+            raise ValueError(f"ElasticPipelineStrategy(cache_ram_bytes={ram_bytes!r}): use a number of bytes >= 0.")
+        if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+            raise ValueError(f"ElasticPipelineStrategy(cache_dir={cache_dir!r}): use a folder's path, or None.")
         self.mode = mode
         self.cache_dir = cache_dir
         self.ram_bytes = ram_bytes

@@ -33,7 +33,7 @@ from lightning_pipetx.callbacks.freeze_context import (
     rewrap_ddp,
     skips_overflowed_steps,
 )
-from lightning_pipetx.callbacks.freeze_guard import FreezeGuard
+from lightning_pipetx.callbacks.freeze_guard import FreezeGuard, check_guard_arguments
 from lightning_pipetx.callbacks.freeze_rule import FreezeDecision, decide
 from lightning_pipetx.callbacks.prefix_findings import PrefixFindings
 from lightning_pipetx.strategy.elastic_pipeline import ElasticPipelineStrategy
@@ -104,6 +104,7 @@ class FreezeCallback(Callback):
         _check_whole("min_active_blocks", min_active_blocks, 1, "; at least one block must stay trainable")
         if signal not in _SIGNALS:
             raise ValueError(f"FreezeCallback(signal={signal!r}): choose one of {_SIGNALS}.")
+        check_guard_arguments(mode, tolerance)
         self.alpha = alpha
         self.freeze_interval = freeze_interval
         self.warmup_epochs = warmup_epochs

@@ -9,6 +9,15 @@ from typing import Any
 _MODES = ("max", "min")
 
 
+def check_guard_arguments(mode: Any, tolerance: Any) -> None:
+    """Raise a ``ValueError`` for a ``mode`` or ``tolerance`` the guard cannot use (checked with or
+    without a ``monitor``, as Lightning's callbacks check theirs)."""
+    if mode not in _MODES:
+        raise ValueError(f"FreezeCallback(mode={mode!r}): choose one of {_MODES}.")
+    if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or not tolerance >= 0:
+        raise ValueError(f"FreezeCallback(tolerance={tolerance!r}): use a number >= 0.")
+
+
 class FreezeGuard:
     """Watches ``monitor`` after every validation; once it is worse than its best so far by more than
     ``tolerance``, :attr:`stopped` turns True for the rest of the run.
@@ -20,10 +29,7 @@ class FreezeGuard:
     """
 
     def __init__(self, monitor: str, mode: str = "max", tolerance: float = 0.0) -> None:
-        if mode not in _MODES:
-            raise ValueError(f"FreezeCallback(mode={mode!r}): choose one of {_MODES}.")
-        if not tolerance >= 0:
-            raise ValueError(f"FreezeCallback(tolerance={tolerance!r}): use a number >= 0.")
+        check_guard_arguments(mode, tolerance)
         self.monitor, self.mode, self.tolerance = monitor, mode, float(tolerance)
         self.best: float | None = None
         self.stopped = False

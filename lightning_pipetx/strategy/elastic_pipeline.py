@@ -73,10 +73,11 @@ class ElasticPipelineStrategy(DDPStrategy):
     """Train an unchanged LightningModule as ``replicas`` pipelines of ``pipeline_length`` stages.
 
     The model's block list (see :func:`~lightning_pipetx.find_blocks`) is split into
-    contiguous stages of balanced parameter count; each rank runs one stage of one replica,
-    the user's own ``training_step`` (and ``validation_step``, ...) on every micro-batch,
-    with hooks on the block list deciding which blocks run where. The world size must be a
-    multiple of ``pipeline_length``; the rest of the ranks become data-parallel replicas.
+    contiguous stages of balanced cost (each block's parameter count, then its forward time
+    measured over the first ``profile_steps``); each rank runs one stage of one replica, the
+    user's own ``training_step`` (and ``validation_step``, ...) on every micro-batch, with hooks
+    on the block list deciding which blocks run where. The world size must be a multiple of
+    ``pipeline_length``: ``world_size // pipeline_length`` data-parallel replicas.
 
     Args:
         pipeline_length: stages per replica. ``"auto"``: the layout predicted fastest among
