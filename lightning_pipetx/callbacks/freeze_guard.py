@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,7 +15,7 @@ def check_guard_arguments(mode: Any, tolerance: Any) -> None:
     without a ``monitor``, as Lightning's callbacks check theirs)."""
     if mode not in _MODES:
         raise ValueError(f"FreezeCallback(mode={mode!r}): choose one of {_MODES}.")
-    if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or not tolerance >= 0:
+    if not isinstance(tolerance, numbers.Real) or isinstance(tolerance, bool) or not tolerance >= 0:
         raise ValueError(f"FreezeCallback(tolerance={tolerance!r}): use a number >= 0.")
 
 
