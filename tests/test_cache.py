@@ -311,6 +311,88 @@ def test_dynamic_padding_is_refused_with_a_clear_message(tmp_path, caplog):
     assert all(rate in (None, 0.0) for rate in rates)
 
 
+def _padded_short_in_epoch_3(size=32, batch=8):
+    """Token samples of 12-16 tokens but for the third batch of epoch 3 (in the loader's seed-0
+    order), whose samples have 6: padded to a multiple of 8, every batch is 16 wide but that one, 8."""
+    data = tm.RandomTokenDataset(size=size, seq_len=16, seed=1)
+    short = torch.randperm(size, generator=torch.Generator().manual_seed(3))[2 * batch : 3 * batch]
+    lengths = 12 + torch.arange(size) % 5
+    lengths[short] = 6
+    data.attention_mask = (torch.arange(16)[None] < lengths[:, None]).long()
+    data.input_ids = data.input_ids * data.attention_mask
+    return data
+
+
+def pad_to_multiple_of_8(samples):
+    """What transformers' DataCollatorWithPadding(pad_to_multiple_of=8) does to the batch's longest."""
+    batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+    length = -(-int(batch["attention_mask"].sum(1).max()) // 8) * 8
+    return {k: (v[:, :length] if v.dim() == 2 else v) for k, v in batch.items()}
+
+
+@pytest.mark.parametrize("cache", ["auto", True])
+def test_a_batch_padded_otherwise_after_the_cache_served_switches_it_off_before_serving(cache, tmp_path, caplog):
+    # Every batch is 16 wide until the third of epoch 3; the cache served 16-wide states before it.
+    data = _padded_short_in_epoch_3()
+    uncached, _, _ = fit(False, data, tmp_path, freeze_interval=2, collate_fn=pad_to_multiple_of_8)
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        cached, rates, _ = fit(cache, data, tmp_path, freeze_interval=2, collate_fn=pad_to_multiple_of_8)
+    _same(cached, uncached)
+    messages = [r.message for r in caplog.records if "AutoCache switched off" in r.message]
+    assert len(messages) == 1 and "shapes [(8,), (8,), ()], the run's first batch's [(16,), (16,), ()]" in messages[0]
+    # Frozen after epoch 1; epoch 3 served its first two batches (every lookup a hit), and looked up no more.
+    assert rates == [None, None, 0.0, 1.0]
+
+
+class _SharpnessAware(torch.optim.Optimizer):
+    """SAM (Foret et al.) as commonly written for Lightning: its step calls the closure twice, the
+    second time at weights moved up the gradient, and steps AdamW from there with the old weights."""
+
+    def __init__(self, params, rho=0.05, lr=1e-3):
+        super().__init__(params, {"rho": rho, "lr": lr})
+        self.base = torch.optim.AdamW(self.param_groups, lr=lr)
+        self.param_groups = self.base.param_groups
+
+    @torch.no_grad()
+    def step(self, closure):
+        with torch.enable_grad():
+            loss = closure()
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        moved = {}
+        for group in self.param_groups:
+            for p in (p for p in group["params"] if p.grad is not None):
+                moved[p] = p.detach().clone()
+                p.add_(p.grad * (group["rho"] / (norm + 1e-12)))
+        self.zero_grad()
+        with torch.enable_grad():
+            closure()
+        for p, weights in moved.items():
+            p.copy_(weights)
+        self.base.step()
+        return loss
+
+
+class _SharpnessAwareClassifier(tm.TinyBertClassifier):
+    def configure_optimizers(self):
+        return _SharpnessAware(self.parameters())
+
+
+def test_an_optimizer_that_calls_the_closure_twice_is_served_from_the_cache(tmp_path, caplog):
+    # The loader's worker reads ahead: each call of the closure must take this batch's samples.
+    def run(cache):
+        module = _SharpnessAwareClassifier(seed=0, dropout=0.0)
+        loader = DataLoader(tm.RandomTokenDataset(size=32, seed=1), batch_size=8, shuffle=True, num_workers=1)
+        trainer = tm.cached_trainer(tmp_path / str(cache), cache, [rates := tm.HitRates()], alpha=1 / 2, max_epochs=4)
+        trainer.fit(module, loader)
+        return module.state_dict(), rates.rates
+
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        cached, rates = run(True)
+    assert "input changed" not in caplog.text and rates[-1] == 1.0
+    _same(cached, run(False)[0])
+
+
 def drop_first_row(samples):
     """A collate_fn that filters a sample out of every batch (as one that skips unreadable samples)."""
     return {k: torch.stack([s[k] for s in samples[1:]]) for k in samples[0]}

@@ -73,6 +73,7 @@ class AutoCache:
         self.force = False  # cache=True: a changed input only warns
         self.strict = False  # serve only once what enters the frozen blocks was also compared unchanged
         self.enabled = True
+        self.input_shapes: list[tuple[int, ...]] | None = None  # of one sample, per tensor of the first batch
         self.fills = True  # caches the samples drop_last leaves out (off once the user's step failed on them)
         self.dropped: set[str] = set()  # tiers measured slower than computing the prefix
         self.counts = EpochCounts()
@@ -106,6 +107,19 @@ class AutoCache:
         if warn and not self._warned:
             self._warned = True
             log.warning("pipetx: %s switched off for this run: %s", self.label, reason)
+
+    def check_input_shapes(self, shapes: list[tuple[int, ...]]) -> None:
+        """Switch the cache off at a training batch whose samples are shaped otherwise than the
+        run's first batch's (padded to another length: dynamic padding), before a state cached
+        for another length is served to them."""
+        if self.input_shapes is None:
+            self.input_shapes = shapes
+        elif shapes != self.input_shapes:
+            self.disable(
+                f"a training batch's samples have shapes {shapes}, the run's first batch's {self.input_shapes}: "
+                f"dynamic padding, which pads a sample to another length in another batch. Pad every batch to one "
+                f"length to use the cache, or pass cache=False."
+            )
 
     def refuse(self, reason: str, fix: str) -> None:
         """An error under ``cache=True``, else off with a warning."""

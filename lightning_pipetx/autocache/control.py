@@ -6,6 +6,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ from lightning_pipetx.autocache.guards import (
 )
 from lightning_pipetx.autocache.tiers import TIER_NAMES
 from lightning_pipetx.blocks import BlockSplit
+from lightning_pipetx.strategy.microbatch import sample_shapes
 
 _SHM = Path("/dev/shm")
 
@@ -166,6 +168,12 @@ class CacheControl:
     def begin_fit(self) -> None:
         """A fit starts: no prefix is frozen yet (an earlier fit's watch is dropped)."""
         self._frozen_weights.reset()
+
+    def check_training_batch(self, batch: Any) -> None:
+        """Before a training batch whose samples are recorded, on every rank (a rank that is a
+        first stage only after a transition knows the run's shapes too): the shapes of its samples."""
+        if self.cache is not None and self.cache.enabled:
+            self.cache.check_input_shapes(sample_shapes(batch))
 
     def begin_epoch(self, world_size: int) -> None:
         """A training epoch starts (a collective where the cache exists): the verdicts on the frozen

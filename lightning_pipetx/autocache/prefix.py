@@ -13,7 +13,7 @@ import torch
 from lightning_pipetx.autocache.cache import AutoCache
 from lightning_pipetx.autocache.random_streams import random_state_kept
 from lightning_pipetx.strategy.fingerprint import hidden_state_fingerprints, sample_fingerprints
-from lightning_pipetx.strategy.microbatch import _tensors
+from lightning_pipetx.strategy.microbatch import _tensors, sample_shapes
 from lightning_pipetx.strategy.p2p import Activation
 from lightning_pipetx.strategy.stage_hooks import StageExit, StageHooks
 
@@ -79,7 +79,7 @@ class CachedPrefix:
 
     def _observe_input(self, indices: torch.Tensor, batch: Any) -> None:
         self.cache.guard.observe(indices, sample_fingerprints(batch, len(indices), self.device))
-        self._sample_shapes = _sample_shapes(batch)
+        self._sample_shapes = sample_shapes(batch)
 
     def _observe_prefix_input(self, indices: torch.Tensor, hidden: torch.Tensor) -> None:
         if hidden.dim() > 0 and hidden.shape[0] == len(indices):  # one row per sample
@@ -100,7 +100,7 @@ class CachedPrefix:
         cache = self.cache
         try:  # loading them may fail too (a dataset opened in the loader's workers only)
             batch = load()
-            if _sample_shapes(batch) != self._sample_shapes:
+            if sample_shapes(batch) != self._sample_shapes:
                 return  # padded to another length than the epoch's batches: its states would not fit
             self._observe_input(indices, batch)
             with self._microbatch(indices, depth, stop_at_capture=True):
@@ -148,8 +148,3 @@ class CachedPrefix:
             hooks.on_first_block = hooks.on_capture = hooks.on_prefix_input = hooks.on_uncacheable = None
             if captured_state is not None and cache.enabled:
                 cache.store(indices, depth, captured_state)
-
-
-def _sample_shapes(batch: Any) -> list[tuple[int, ...]]:
-    """The shape of one sample in each tensor of ``batch`` (the batch dimension left out)."""
-    return [tuple(t.shape[1:]) for t in _tensors(batch) if t.dim() > 0]

@@ -190,6 +190,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._agreement: FailureAgreement | None = None
         self._restored_profile: list[float] | None = None  # block costs from the checkpoint resumed
         self._loader_rebuild = LoaderRebuild()
+        self._batch_keys: tuple[Any, Any] = (None, None)  # AutoCache's sample indices of this batch and the next
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -270,6 +271,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._last_run = ClosedRun()
         self._metrics.logged_layout = None
         self._loader_rebuild = LoaderRebuild()
+        self._batch_keys = (None, None)
         self.accelerator.setup(trainer)
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:  # precision="16-mixed": one scale and one overflow decision for all stages
@@ -461,6 +463,10 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._take_back_lent_blocks()
+        # Once per batch: an optimizer may call the closure, and so training_step, more than once (SAM).
+        self._batch_keys = self._cache_feed.training_keys()
+        if self._batch_keys[0] is not None:
+            self._autocache.check_training_batch(batch)
         if batch_idx <= 1:  # the first step of the run, and then every epoch's
             self._require_engine().check_batches(everywhere=True)
         epoch = self.lightning_module.trainer.current_epoch
@@ -501,7 +507,7 @@ class ElasticPipelineStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.lightning_module.trainer
         loss_scale = 1.0 / max(1, trainer.accumulate_grad_batches)
-        indices, upcoming = self._cache_feed.training_keys()
+        indices, upcoming = self._batch_keys
         engine, step = self._require_engine(), self.lightning_module.training_step
         with (
             self.precision_plugin.train_step_context(),

@@ -34,6 +34,11 @@ def _tensors(batch: Any) -> list[torch.Tensor]:
     return []
 
 
+def sample_shapes(batch: Any) -> list[tuple[int, ...]]:
+    """The shape of one sample in each tensor of ``batch`` (the batch dimension left out)."""
+    return [tuple(t.shape[1:]) for t in _tensors(batch) if t.dim() > 0]
+
+
 def batch_size(batch: Any) -> int:
     """The common dim-0 size of the batch's tensors."""
     sizes = {t.shape[0] for t in _tensors(batch) if t.dim() > 0}

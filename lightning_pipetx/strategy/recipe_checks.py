@@ -44,6 +44,7 @@ def check_fit_recipe(
     """Refuse, on every rank, what the fit's recipe asks that this layout or the cache cannot
     run exactly (after ``configure_optimizers``)."""
     module = trainer.lightning_module
+    refuse_whole_model_optimizers(optimizers, pipeline_length)
     refuse_unagreed_overflow(optimizers, scaler, pipeline_length)
     refuse_weight_averaging(trainer.callbacks, pipeline_length)
     refuse_model_pruning(trainer.callbacks, pipeline_length)
@@ -58,6 +59,23 @@ def check_fit_recipe(
         _refuse_cache_for_averaging(
             autocache, type(callback).__name__, averaged_weights_used_in(callback, module, trainer.max_epochs)
         )
+
+
+def refuse_whole_model_optimizers(optimizers: list[torch.optim.Optimizer], pipeline_length: int) -> None:
+    """Refuse, under a pipeline, an optimizer whose step needs every weight's gradient at once:
+    L-BFGS takes dot products over all its parameters and searches along one direction for the
+    whole model, where each stage holds its own blocks' gradients only (it writes to the blocks
+    of other stages too). Replicas hold every weight: ``pipeline_length=1`` trains as DDP does."""
+    if pipeline_length <= 1:
+        return
+    for optimizer in optimizers:
+        if isinstance(getattr(optimizer, "_optimizer", optimizer), torch.optim.LBFGS):
+            raise UnsupportedRecipeError(
+                f"torch.optim.LBFGS under a {pipeline_length}-stage pipeline: each step takes dot products over "
+                f"the gradients of every weight and moves all of them along one direction, but each stage holds "
+                f"only its own blocks' weights and gradients. Pass ElasticPipelineStrategy(pipeline_length=1) "
+                f"(replicas that each hold every weight), or use a first-order optimizer such as AdamW."
+            )
 
 
 def _refuse_cache_for_averaging(autocache: CacheControl, name: str, used_in: str | None) -> None:

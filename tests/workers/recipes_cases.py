@@ -283,6 +283,13 @@ def two_calls_module() -> pl.LightningModule:
     return module
 
 
+def lbfgs_module() -> pl.LightningModule:
+    """A tiny BERT trained with torch's L-BFGS (whose step calls the closure several times)."""
+    module = build_case_module({"model": "bert", "lr": 1e-3})
+    module.configure_optimizers = lambda: torch.optim.LBFGS(module.parameters(), lr=0.1, max_iter=2)
+    return module
+
+
 def summed_count_module() -> pl.LightningModule:
     """A tiny BERT that logs the samples of each step with ``reduce_fx="sum"`` over the replicas."""
     module = build_case_module({"model": "bert", "lr": 1e-3})

@@ -31,6 +31,7 @@ from recipes_cases import (
     hidden_states_module,
     hook_counting_module,
     intermediates_module,
+    lbfgs_module,
     plateau_module,
     popping_module,
     random_masking,
@@ -138,6 +139,7 @@ def main() -> None:
         "block_hooks": block_hooks_module,
         "block_hooks_inside": lambda: block_hooks_module(inside=True),
         "weight_penalty": weight_penalty_module,
+        "lbfgs": lbfgs_module,
     }.get(mode, hook_counting_module)()
     if mode == "layerdrop":  # as Wav2Vec2's and HuBERT's configs have by default
         module.model.config.layerdrop = 0.1
@@ -158,7 +160,7 @@ def main() -> None:
         seconds=30
         if mode
         in ("hidden_states", "intermediates", "timm_checkpointing", "reentrant", "two_calls", "between_blocks")
-        + ("block_hooks", "block_hooks_inside", "weight_penalty")
+        + ("block_hooks", "block_hooks_inside", "weight_penalty", "lbfgs")
         else 1800
     )
     trainer = pl.Trainer(
