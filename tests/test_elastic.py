@@ -16,8 +16,9 @@ from lightning_pipetx.strategy.autopipe import block_costs, choose_plan
 
 @pytest.fixture(scope="module", params=["bert", "timm_vit"])
 def elastic_run(request, tmp_path_factory):
+    # bert's loaders come from a DataModule's hooks, timm_vit's are given to fit
     out = tmp_path_factory.mktemp(f"elastic_{request.param}")
-    run_workers("elastic_worker.py", 4, str(out), request.param)
+    run_workers("elastic_worker.py", 4, str(out), request.param, *(["datamodule"] if request.param == "bert" else []))
     return request.param, out, json.loads((out / "report.json").read_text())
 
 
@@ -57,13 +58,16 @@ def test_validation_batches_logged_for_the_step_keep_counting_across_transitions
         3,
     ]  # as DDP counts them; Lightning restarts the count at a rebuilt loader
     assert report["train_reloads"] == [0, 0, 0]  # the loaders rebuilt for the transitions are not the user's reloads
+    if report["hook_calls"] is not None:  # ... nor do they call the user's hooks again (which may pick data by epoch)
+        assert report["hook_calls"] == {"train": [0], "val": [0]}
 
 
 def test_reloading_loaders_every_2_epochs_reloads_when_ddp_does_across_transitions(tmp_path):
     # Transitions after epochs 0 and 1; the user's reloads at epochs 0 and 2 restart the count, as under DDP.
-    run_workers("elastic_worker.py", 4, str(tmp_path), "bert", "reload2")
+    run_workers("elastic_worker.py", 4, str(tmp_path), "bert", "reload2", "datamodule")
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["train_reloads"] == [0, 0, 2]
+    assert report["hook_calls"] == {"train": [0, 2], "val": [0, 2]}
     assert _validation_steps(tmp_path) == [0, 1, 2, 0]
 
 

@@ -271,6 +271,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._last_run = ClosedRun()
         self._metrics.logged_layout = None
         self._loader_rebuild = LoaderRebuild()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._loader_rebuild.install(trainer)  # before configure_optimizers, which may build the training loader
         self._batch_keys = (None, None)
         self.accelerator.setup(trainer)
         scaler = getattr(self.precision_plugin, "scaler", None)
@@ -728,6 +730,7 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         self._metrics.remove()
+        self._loader_rebuild.remove()
         self._restored_profile = None  # loaded during the run (the learning-rate finder), or before a failed set-up
         if self._output_checks is not None:
             self._output_checks.remove()

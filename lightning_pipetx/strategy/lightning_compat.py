@@ -85,6 +85,15 @@ INTERNALS = (
         ),
     ),
     Internal(
+        "Trainer.fit_loop._data_source and its val_loop's (the dataloader method replaced on the instance)",
+        "the loaders the user's hooks returned, built again after a transition without calling the hooks again",
+        lambda trainer: all(
+            callable(getattr(getattr(loop, "_data_source", None), name, None))
+            for loop in (trainer.fit_loop, trainer.fit_loop.epoch_loop.val_loop)
+            for name in ("dataloader", "is_module")
+        ),
+    ),
+    Internal(
         "torchmetrics.Metric._forward_cache",
         "a logged metric's value for the step, given to the stages that do not compute it in training_step",
         _metric_has_forward_cache,
@@ -127,15 +136,47 @@ def check_lightning_internals(trainer: pl.Trainer, internals: tuple[Internal, ..
 
 
 class LoaderRebuild:
-    """What Lightning's loops reset when they build a DataLoader, kept across the rebuild a
-    transition forces (for the new replicas): the epoch of each loop's last reload, from which
-    ``reload_dataloaders_every_n_epochs`` counts, and the batches fit's validation has seen per
-    loader, the step its ``on_step`` logs go to. Under DDP neither moves between the user's reloads."""
+    """What the user's loaders and Lightning's loops keep across the rebuild a transition forces
+    (for the new replicas), as they do under DDP between the user's reloads: the loaders the
+    ``train_dataloader`` and ``val_dataloader`` hooks returned, built again without calling the
+    hooks (a hook may pick its data by epoch, or draw from the random stream); the epoch of each
+    loop's last reload, from which ``reload_dataloaders_every_n_epochs`` counts; and the batches
+    fit's validation has seen per loader, the step its ``on_step`` logs go to."""
 
     def __init__(self) -> None:
         self._train_reload: float | None = None
         self._val_reload: float | None = None
         self._val_seen: dict[int, int] = {}
+        self._returned: dict[str, Any] = {}  # by loop: what its hook returned last
+        self._reuse: set[str] = set()  # loops whose next build takes that again
+        self._sources: list[Any] = []
+
+    def install(self, trainer: pl.Trainer) -> None:
+        """At the set-up of fit: record what the loops' loader hooks return (where the loaders
+        come from the LightningModule's or the DataModule's hooks)."""
+        loops = {"train": trainer.fit_loop, "val": trainer.fit_loop.epoch_loop.val_loop}
+        for loop, owner in loops.items():
+            source = owner._data_source
+            if source.is_module():
+                source.dataloader = self._recorded(trainer, loop, source.dataloader)
+                self._sources.append(source)
+
+    def _recorded(self, trainer: pl.Trainer, loop: str, hook: Callable[[], Any]) -> Callable[[], Any]:
+        def dataloader() -> Any:
+            reuse, last_reload = loop in self._reuse, self._train_reload if loop == "train" else self._val_reload
+            self._reuse.discard(loop)
+            if reuse and loop in self._returned and not _user_reload_due(trainer, last_reload):
+                return self._returned[loop]
+            self._returned[loop] = loaders = hook()
+            return loaders
+
+        return dataloader
+
+    def remove(self) -> None:
+        for source in self._sources:
+            source.__dict__.pop("dataloader", None)
+        self._sources.clear()
+        self._returned.clear()
 
     def keep(self, trainer: pl.Trainer) -> None:
         """Before a transition has the loaders rebuilt."""
@@ -143,6 +184,7 @@ class LoaderRebuild:
         self._train_reload = trainer.fit_loop._last_train_dl_reload_epoch
         self._val_reload = val_loop._last_val_dl_reload_epoch
         self._val_seen = dict(val_loop._seen_batches_per_dataloader)
+        self._reuse = {"train", "val"}
 
     def training_rebuilt(self, trainer: pl.Trainer) -> None:
         """At the first batch of the epoch after a transition (Lightning built the loader at its start)."""
@@ -161,10 +203,10 @@ class LoaderRebuild:
             self._val_reload = None
 
 
-def _user_reload_due(trainer: pl.Trainer, last_reload: float) -> bool:
+def _user_reload_due(trainer: pl.Trainer, last_reload: float | None) -> bool:
     """Whether ``reload_dataloaders_every_n_epochs`` has Lightning reload now (as its loops decide)."""
     every = trainer.reload_dataloaders_every_n_epochs
-    return bool(every) and trainer.current_epoch - last_reload >= every
+    return bool(every) and last_reload is not None and trainer.current_epoch - last_reload >= every
 
 
 class WeightAveragingError(ValueError):

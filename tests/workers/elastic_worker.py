@@ -1,8 +1,9 @@
 """Train with FreezeCallback under an elastic pipeline; rank 0 saves weights and the layout per epoch.
 
 Usage: torchrun --nproc_per_node=N elastic_worker.py OUT_DIR MODEL (bert | timm_vit) [static] [groups] [reload2]
-[resume CKPT] ("static": elastic=False, the layout stays while blocks freeze; "groups": two AdamW parameter
-groups split by parameter shape; "reload2": reload_dataloaders_every_n_epochs=2; "resume": fit from CKPT)
+[datamodule] [resume CKPT] ("static": elastic=False, the layout stays while blocks freeze; "groups": two AdamW
+parameter groups split by parameter shape; "reload2": reload_dataloaders_every_n_epochs=2; "datamodule": the
+loaders from a LightningDataModule's hooks; "resume": fit from CKPT)
 """
 
 import json
@@ -41,6 +42,23 @@ class LayoutRecorder(Callback):
         self.served.append(sum(shares) if self.epochs[-1][0] > 0 else None)
 
 
+class CountingData(pl.LightningDataModule):
+    """The worker's loaders from a DataModule's hooks, which record the epoch of each of their calls."""
+
+    def __init__(self, model_name):
+        super().__init__()
+        self.model_name = model_name
+        self.calls = {"train": [], "val": []}
+
+    def train_dataloader(self):
+        self.calls["train"].append(self.trainer.current_epoch)
+        return train_loader(self.model_name)
+
+    def val_dataloader(self):
+        self.calls["val"].append(self.trainer.current_epoch)
+        return val_loader(self.model_name)
+
+
 class ValidationBatchLog(Callback):
     """Logs each validation batch of fit for the step only: the logger writes it at the step
     Lightning counts validation batches by (which DDP never resets during fit)."""
@@ -77,7 +95,12 @@ def main():
         reload_dataloaders_every_n_epochs=reload_every,
     )
     module = build_module(model_name, optimizer)
-    trainer.fit(module, train_loader(model_name), val_loader(model_name), ckpt_path=ckpt_path)
+    if "datamodule" in options:
+        data = CountingData(model_name)
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    else:
+        data = None
+        trainer.fit(module, train_loader(model_name), val_loader(model_name), ckpt_path=ckpt_path)
     fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     trainer.save_checkpoint(os.path.join(out_dir, "after_fit.ckpt"))
     metrics = trainer.validate(module, val_loader(model_name), verbose=False)[0]
@@ -93,6 +116,7 @@ def main():
             "epochs": recorder.epochs,
             "served": recorder.served,
             "train_reloads": recorder.reloads,
+            "hook_calls": data.calls if data is not None else None,
             "metrics": fit_metrics,
             "validate": metrics,
             "refused_after_validate": refused,
