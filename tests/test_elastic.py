@@ -139,6 +139,21 @@ def test_a_loader_that_cannot_be_rebatched_keeps_its_replicas(tmp_path, kind):
         assert report["layouts"] == ["2x1", "2x1", "2x1"] and report["frozen"] == 3
 
 
+@pytest.mark.parametrize("kind", ["combined_hook", "combined_given"])
+def test_a_combined_loader_is_sharded_for_the_new_replicas(tmp_path, kind):
+    # Lightning puts the loaders it built (with samplers for 1 replica) into the user's CombinedLoader.
+    run_workers("loader_kinds_worker.py", 2, str(tmp_path), kind)
+    ranks = [json.loads((tmp_path / f"{kind}_rank{rank}.json").read_text()) for rank in range(2)]
+    layouts = ranks[0]["layouts"]
+    assert layouts[0] == "2x1" and layouts[-1] == "1x2"
+    for epoch, layout in enumerate(layouts):
+        first, second = ranks[0]["seen"][str(epoch)], ranks[1]["seen"][str(epoch)]
+        if layout == "2x1":  # the two stages of one replica read the same batches
+            assert first == second == list(range(16))
+        else:  # two replicas: each trains on its half, as under DDP
+            assert len(first) == len(second) == 8 and sorted(first + second) == list(range(16))
+
+
 def test_ranks_that_shard_the_data_themselves_never_read_each_other_s_cached_states(tmp_path):
     # Without Lightning's sampler index i may be another sample on each rank: the node's shared
     # cache file would serve one rank the states of the other's samples.

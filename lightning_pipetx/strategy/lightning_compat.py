@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 import torch
 import torchmetrics
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities import CombinedLoader, GradClipAlgorithmType
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 from lightning_pipetx.strategy.loss_scaling import unscales_in_own_step
@@ -88,9 +88,9 @@ INTERNALS = (
         "Trainer.fit_loop._data_source and its val_loop's (the dataloader method replaced on the instance)",
         "the loaders the user's hooks returned, built again after a transition without calling the hooks again",
         lambda trainer: all(
-            callable(getattr(getattr(loop, "_data_source", None), name, None))
+            callable(getattr(getattr(loop, "_data_source", None), "dataloader", None))
+            and hasattr(loop._data_source, "instance")
             for loop in (trainer.fit_loop, trainer.fit_loop.epoch_loop.val_loop)
-            for name in ("dataloader", "is_module")
         ),
     ),
     Internal(
@@ -139,25 +139,28 @@ class LoaderRebuild:
     """What the user's loaders and Lightning's loops keep across the rebuild a transition forces
     (for the new replicas), as they do under DDP between the user's reloads: the loaders the
     ``train_dataloader`` and ``val_dataloader`` hooks returned, built again without calling the
-    hooks (a hook may pick its data by epoch, or draw from the random stream); the epoch of each
-    loop's last reload, from which ``reload_dataloaders_every_n_epochs`` counts; and the batches
-    fit's validation has seen per loader, the step its ``on_step`` logs go to."""
+    hooks (a hook may pick its data by epoch, or draw from the random stream), and a
+    ``CombinedLoader``'s own loaders (Lightning replaces them in it with those it built for the
+    layout of then); the epoch of each loop's last reload, from which
+    ``reload_dataloaders_every_n_epochs`` counts; and the batches fit's validation has seen per
+    loader, the step its ``on_step`` logs go to."""
 
     def __init__(self) -> None:
         self._train_reload: float | None = None
         self._val_reload: float | None = None
         self._val_seen: dict[int, int] = {}
-        self._returned: dict[str, Any] = {}  # by loop: what its hook returned last
+        self._returned: dict[str, Any] = {}  # by loop: what its source gave last
+        self._combined: dict[str, tuple[Any, list[Any]]] = {}  # by loop: a CombinedLoader, the loaders first in it
         self._reuse: set[str] = set()  # loops whose next build takes that again
         self._sources: list[Any] = []
 
     def install(self, trainer: pl.Trainer) -> None:
-        """At the set-up of fit: record what the loops' loader hooks return (where the loaders
-        come from the LightningModule's or the DataModule's hooks)."""
+        """At the set-up of fit: record what the loops' sources give (the LightningModule's or the
+        DataModule's hooks, or the loaders given to fit)."""
         loops = {"train": trainer.fit_loop, "val": trainer.fit_loop.epoch_loop.val_loop}
         for loop, owner in loops.items():
             source = owner._data_source
-            if source.is_module():
+            if source.instance is not None:
                 source.dataloader = self._recorded(trainer, loop, source.dataloader)
                 self._sources.append(source)
 
@@ -166,8 +169,15 @@ class LoaderRebuild:
             reuse, last_reload = loop in self._reuse, self._train_reload if loop == "train" else self._val_reload
             self._reuse.discard(loop)
             if reuse and loop in self._returned and not _user_reload_due(trainer, last_reload):
-                return self._returned[loop]
-            self._returned[loop] = loaders = hook()
+                loaders = self._returned[loop]
+            else:
+                self._returned[loop] = loaders = hook()
+            if isinstance(loaders, CombinedLoader):
+                seen, own = self._combined.get(loop, (None, []))
+                if seen is not loaders:
+                    own = list(loaders.flattened)
+                    self._combined[loop] = (loaders, own)
+                loaders.flattened = own
             return loaders
 
         return dataloader
@@ -177,6 +187,7 @@ class LoaderRebuild:
             source.__dict__.pop("dataloader", None)
         self._sources.clear()
         self._returned.clear()
+        self._combined.clear()
 
     def keep(self, trainer: pl.Trainer) -> None:
         """Before a transition has the loaders rebuilt."""

@@ -5,13 +5,17 @@ KIND: ``per_rank_subset`` (see :func:`per_rank_subsets`), ``iterable`` (an Itera
 user's class; Lightning un-batches a loader built with torch's own ``BatchSampler``). The
 global batch cannot be kept over 2 replicas, so the 2x1 pipeline must stay 2x1 as blocks freeze.
 Every rank writes OUT_DIR/<KIND>_rank<N>.json: the layout each epoch and the frozen blocks.
+``combined_hook`` and ``combined_given``: a CombinedLoader from ``train_dataloader`` or given to
+fit, which goes 2x1 -> 1x2; the report has the samples each epoch trained on this rank.
 """
 
 import json
 import os
 import sys
 
+import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import CombinedLoader
 from tiny_models import Layouts, RandomVectorDataset, TinySequentialRegressor, make_trainer
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler, Subset
 from worker_exit import run_worker
@@ -73,10 +77,51 @@ class CacheHits(Callback):
         self.ram_budget = cache.ram_budget if cache is not None else None
 
 
+class IndexedVectors(RandomVectorDataset):
+    def __getitem__(self, index):
+        return (*super().__getitem__(index), torch.tensor(index))
+
+
+def combined_loader():
+    return CombinedLoader({"a": DataLoader(IndexedVectors(size=16), batch_size=4, shuffle=True)}, "max_size_cycle")
+
+
+class CombinedRegressor(TinySequentialRegressor):
+    """Trains on the batches of a CombinedLoader holding one loader, ``"a"``; records the samples each epoch trained on."""
+
+    def __init__(self):
+        super().__init__(seed=0, dropout=0.0)
+        self.seen = {}
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch["a"]
+        self.seen.setdefault(self.current_epoch, []).extend(index.tolist())  # on every stage: before the model call
+        return super().training_step((x, y), batch_idx)
+
+
+class CombinedFromHook(CombinedRegressor):
+    def train_dataloader(self):
+        return combined_loader()
+
+
+def combined(out_dir: str, kind: str) -> None:
+    module = CombinedFromHook() if kind == "combined_hook" else CombinedRegressor()
+    layouts = Layouts()
+    strategy = ElasticPipelineStrategy(pipeline_length=2, num_microbatches=2, profile_steps=0, cache=False)
+    trainer = make_trainer([FreezeCallback(alpha=0.5, signal="schedule"), layouts], devices=2, strategy=strategy)
+    trainer.fit(module, None if kind == "combined_hook" else combined_loader())
+    report = {"layouts": layouts.layouts, "seen": {epoch: sorted(set(seen)) for epoch, seen in module.seen.items()}}
+    with open(os.path.join(out_dir, f"{kind}_rank{trainer.global_rank}.json"), "w") as handle:
+        json.dump(report, handle)
+
+
 def main():
     out_dir, kind = sys.argv[1], sys.argv[2]
     if kind == "per_rank_subset":
         per_rank_subsets(out_dir)
+        return
+    if kind.startswith("combined"):
+        combined(out_dir, kind)
         return
     if kind == "iterable":
         loader = DataLoader(Stream(), batch_size=4)
