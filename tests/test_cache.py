@@ -344,38 +344,9 @@ def test_a_batch_padded_otherwise_after_the_cache_served_switches_it_off_before_
     assert rates == [None, None, 0.0, 1.0]
 
 
-class _SharpnessAware(torch.optim.Optimizer):
-    """SAM (Foret et al.) as commonly written for Lightning: its step calls the closure twice, the
-    second time at weights moved up the gradient, and steps AdamW from there with the old weights."""
-
-    def __init__(self, params, rho=0.05, lr=1e-3):
-        super().__init__(params, {"rho": rho, "lr": lr})
-        self.base = torch.optim.AdamW(self.param_groups, lr=lr)
-        self.param_groups = self.base.param_groups
-
-    @torch.no_grad()
-    def step(self, closure):
-        with torch.enable_grad():
-            loss = closure()
-        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        moved = {}
-        for group in self.param_groups:
-            for p in (p for p in group["params"] if p.grad is not None):
-                moved[p] = p.detach().clone()
-                p.add_(p.grad * (group["rho"] / (norm + 1e-12)))
-        self.zero_grad()
-        with torch.enable_grad():
-            closure()
-        for p, weights in moved.items():
-            p.copy_(weights)
-        self.base.step()
-        return loss
-
-
 class _SharpnessAwareClassifier(tm.TinyBertClassifier):
     def configure_optimizers(self):
-        return _SharpnessAware(self.parameters())
+        return tm.SharpnessAware(self.parameters())
 
 
 def test_an_optimizer_that_calls_the_closure_twice_is_served_from_the_cache(tmp_path, caplog):

@@ -299,6 +299,7 @@ def test_stages_reading_different_batches_is_an_error(mode, tmp_path):
         ("block_hooks_inside", "UnsupportedRecipeError", "or a module inside it, has a forward hook"),
         ("weight_penalty", "UnsupportedRecipeError", "reads the blocks' weights after the model call"),
         ("lbfgs", "UnsupportedRecipeError", "torch.optim.LBFGS under a 2-stage pipeline"),
+        ("sam", "UnsupportedRecipeError", "called the closure (training_step and the backward) a second time"),
     ],
 )
 def test_a_step_that_needs_what_other_stages_hold_is_refused_under_a_pipeline(mode, error, text, tmp_path):

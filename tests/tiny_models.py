@@ -507,6 +507,35 @@ class TinyT5Seq2Seq(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
 
+class SharpnessAware(torch.optim.Optimizer):
+    """SAM (Foret et al.) as commonly written for Lightning: its step calls the closure twice, the
+    second time at weights moved up the gradient, and steps AdamW from there with the old weights."""
+
+    def __init__(self, params, rho=0.05, lr=1e-3):
+        super().__init__(params, {"rho": rho, "lr": lr})
+        self.base = torch.optim.AdamW(self.param_groups, lr=lr)
+        self.param_groups = self.base.param_groups
+
+    @torch.no_grad()
+    def step(self, closure):
+        with torch.enable_grad():
+            loss = closure()
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        moved = {}
+        for group in self.param_groups:
+            for p in (p for p in group["params"] if p.grad is not None):
+                moved[p] = p.detach().clone()
+                p.add_(p.grad * (group["rho"] / (norm + 1e-12)))
+        self.zero_grad()
+        with torch.enable_grad():
+            closure()
+        for p, weights in moved.items():
+            p.copy_(weights)
+        self.base.step()
+        return loss
+
+
 class TinySequentialRegressor(pl.LightningModule):
     """An ordinary LightningModule around :func:`tiny_sequential` (MSE regression)."""
 

@@ -54,7 +54,7 @@ from lightning_pipetx.strategy.model_checks import (
 from lightning_pipetx.strategy.options import check_arguments
 from lightning_pipetx.strategy.param_store import ParamStore
 from lightning_pipetx.strategy.predictions import QuietWriters, gather_trainer_predictions, input_rows
-from lightning_pipetx.strategy.recipe_checks import check_fit_recipe, refuse_collected_outputs
+from lightning_pipetx.strategy.recipe_checks import check_fit_recipe, refuse_collected_outputs, refuse_repeated_closure
 from lightning_pipetx.strategy.topology import Layout
 from lightning_pipetx.strategy.transition import drop_optimizer_state
 
@@ -191,6 +191,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._restored_profile: list[float] | None = None  # block costs from the checkpoint resumed
         self._loader_rebuild = LoaderRebuild()
         self._batch_keys: tuple[Any, Any] = (None, None)  # AutoCache's sample indices of this batch and the next
+        self._closure_calls = 0  # training_step calls for this batch (an optimizer may call the closure again)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -467,6 +468,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._take_back_lent_blocks()
         # Once per batch: an optimizer may call the closure, and so training_step, more than once (SAM).
         self._batch_keys = self._cache_feed.training_keys()
+        self._closure_calls = 0
         if self._batch_keys[0] is not None:
             self._autocache.check_training_batch(batch)
         if batch_idx <= 1:  # the first step of the run, and then every epoch's
@@ -508,6 +510,9 @@ class ElasticPipelineStrategy(DDPStrategy):
     # --------------------------------------------------------------- steps
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.lightning_module.trainer
+        self._closure_calls += 1
+        if self._closure_calls > 1:
+            refuse_repeated_closure(self._require_engine().layout.pipeline_length)
         loss_scale = 1.0 / max(1, trainer.accumulate_grad_batches)
         indices, upcoming = self._batch_keys
         engine, step = self._require_engine(), self.lightning_module.training_step

@@ -78,6 +78,20 @@ def refuse_whole_model_optimizers(optimizers: list[torch.optim.Optimizer], pipel
             )
 
 
+def refuse_repeated_closure(pipeline_length: int) -> None:
+    """Refuse, under a pipeline, an optimizer step that called the closure (``training_step`` and
+    the backward) a second time for one batch: such an optimizer (SAM and its variants) computes on
+    every weight's gradient between the calls, a norm over the whole model, which no stage holds."""
+    if pipeline_length > 1:
+        raise UnsupportedRecipeError(
+            f"the optimizer's step called the closure (training_step and the backward) a second time for one batch "
+            f"under a {pipeline_length}-stage pipeline: an optimizer that does (SAM and its variants, L-BFGS) "
+            f"computes on the gradients of every weight between the calls (a norm over the whole model), but each "
+            f"stage holds only its own blocks' gradients, and would take another step than in one process. Pass "
+            f"ElasticPipelineStrategy(pipeline_length=1) (replicas that each hold every weight)."
+        )
+
+
 def _refuse_cache_for_averaging(autocache: CacheControl, name: str, used_in: str | None) -> None:
     """A weight-averaging callback puts averaged weights into the model, frozen prefix included,
     which the cached states were not computed with: SWA for the epoch it adds to update batch

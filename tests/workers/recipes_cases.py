@@ -6,7 +6,7 @@ import lightning.pytorch as pl
 import torch
 from equivalence_cases import build_case_module
 from lightning.pytorch.plugins import MixedPrecision
-from tiny_models import HIDDEN, NUM_LABELS, TASKS, VOCAB, TinySequentialRegressor, make_trainer
+from tiny_models import HIDDEN, NUM_LABELS, TASKS, VOCAB, SharpnessAware, TinySequentialRegressor, make_trainer
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler
 from torchmetrics import MeanMetric, Metric, SumMetric
@@ -287,6 +287,13 @@ def lbfgs_module() -> pl.LightningModule:
     """A tiny BERT trained with torch's L-BFGS (whose step calls the closure several times)."""
     module = build_case_module({"model": "bert", "lr": 1e-3})
     module.configure_optimizers = lambda: torch.optim.LBFGS(module.parameters(), lr=0.1, max_iter=2)
+    return module
+
+
+def sam_module() -> pl.LightningModule:
+    """A tiny BERT trained with SAM, whose step calls the closure twice."""
+    module = build_case_module({"model": "bert", "lr": 1e-3})
+    module.configure_optimizers = lambda: SharpnessAware(module.parameters())
     return module
 
 

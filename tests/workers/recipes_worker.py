@@ -35,6 +35,7 @@ from recipes_cases import (
     plateau_module,
     popping_module,
     random_masking,
+    sam_module,
     scheduled_module,
     shared_list_module,
     step_synced_metric_module,
@@ -140,6 +141,7 @@ def main() -> None:
         "block_hooks_inside": lambda: block_hooks_module(inside=True),
         "weight_penalty": weight_penalty_module,
         "lbfgs": lbfgs_module,
+        "sam": sam_module,
     }.get(mode, hook_counting_module)()
     if mode == "layerdrop":  # as Wav2Vec2's and HuBERT's configs have by default
         module.model.config.layerdrop = 0.1
@@ -160,7 +162,7 @@ def main() -> None:
         seconds=30
         if mode
         in ("hidden_states", "intermediates", "timm_checkpointing", "reentrant", "two_calls", "between_blocks")
-        + ("block_hooks", "block_hooks_inside", "weight_penalty", "lbfgs")
+        + ("block_hooks", "block_hooks_inside", "weight_penalty", "lbfgs", "sam")
         else 1800
     )
     trainer = pl.Trainer(
