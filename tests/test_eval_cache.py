@@ -71,6 +71,23 @@ def test_validation_inputs_that_change_keep_only_the_validation_cache_off(tmp_pa
     assert trainer.callback_metrics["pipetx/cache_hit_rate"] == 1.0  # training still cached
 
 
+def _pad_to_longest(samples):
+    batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+    length = int(batch["attention_mask"].sum(1).max())
+    return {k: (v[:, :length] if v.dim() == 2 else v) for k, v in batch.items()}
+
+
+def test_validation_batches_padded_to_other_lengths_are_never_served(tmp_path, caplog):
+    # Padded to each batch's longest, the validation batches differ in length: the training cache serves.
+    val = DataLoader(tm.RandomTokenDataset(size=24, seed=2), batch_size=4, collate_fn=_pad_to_longest)
+    _, plain, _ = fit(False, tmp_path, val_loaders=val)
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        _, served, trainer = fit("auto", tmp_path, val_loaders=val)
+    assert served.losses == plain.losses and served.served == [None] * 4
+    assert "validation cache switched off" in caplog.text and "the run's first batch's" in caplog.text
+    assert trainer.callback_metrics["pipetx/cache_hit_rate"] == 1.0
+
+
 class _Resizable(torch.utils.data.Dataset):
     """The first ``size`` of 40 samples: one dataset object whose length a run may change."""
 

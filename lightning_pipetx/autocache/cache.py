@@ -109,14 +109,14 @@ class AutoCache:
             log.warning("pipetx: %s switched off for this run: %s", self.label, reason)
 
     def check_input_shapes(self, shapes: list[tuple[int, ...]]) -> None:
-        """Switch the cache off at a training batch whose samples are shaped otherwise than the
-        run's first batch's (padded to another length: dynamic padding), before a state cached
-        for another length is served to them."""
+        """Switch the cache off at a batch whose samples are shaped otherwise than the run's first
+        batch's (padded to another length: dynamic padding), before a state cached for another
+        length is served to them."""
         if self.input_shapes is None:
             self.input_shapes = shapes
         elif shapes != self.input_shapes:
             self.disable(
-                f"a training batch's samples have shapes {shapes}, the run's first batch's {self.input_shapes}: "
+                f"a batch's samples have shapes {shapes}, the run's first batch's {self.input_shapes}: "
                 f"dynamic padding, which pads a sample to another length in another batch. Pad every batch to one "
                 f"length to use the cache, or pass cache=False."
             )
