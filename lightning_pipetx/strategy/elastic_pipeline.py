@@ -527,6 +527,11 @@ class ElasticPipelineStrategy(DDPStrategy):
                 engine.fill_cache(step, args[1:], kwargs, dropped[0], lambda: self._to_device(dropped[1]()))
         return output
 
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        if batch is None and self.lightning_module.trainer.training:  # a batch Lightning skips: so do its samples
+            self._cache_feed.training_keys()
+        return super().batch_to_device(batch, device, dataloader_idx)
+
     def _to_device(self, batch: Any) -> Any:
         """A batch of the training loader's, prepared as Lightning's loop prepares each: the
         precision's input conversion, ``on_before_batch_transfer`` (the DataModule's or the
