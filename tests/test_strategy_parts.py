@@ -7,6 +7,7 @@ import random
 from collections import namedtuple
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 from distributed import run_workers
@@ -226,6 +227,13 @@ def test_schedules_run_each_microbatch_forward_then_backward(schedule, stages, m
 def test_invalid_arguments_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ElasticPipelineStrategy(**kwargs)
+
+
+def test_byte_counts_may_be_whole_floats_and_numpy_integers():
+    strategy = ElasticPipelineStrategy(cache_ram_bytes=16e9, cache_device_bytes=np.int64(2**30), memory_budget=8e9)
+    assert strategy._autocache.ram_bytes == 16 * 10**9 and strategy._autocache.device_bytes == 2**30
+    with pytest.raises(ValueError, match="cache_ram_bytes=1.5"):
+        ElasticPipelineStrategy(cache_ram_bytes=1.5)
 
 
 def test_more_stages_than_blocks_is_refused():

@@ -22,6 +22,7 @@ from lightning_pipetx.autocache.guards import (
 from lightning_pipetx.autocache.tiers import TIER_NAMES
 from lightning_pipetx.blocks import BlockSplit
 from lightning_pipetx.strategy.microbatch import sample_shapes
+from lightning_pipetx.strategy.options import byte_count
 
 _SHM = Path("/dev/shm")
 
@@ -37,11 +38,6 @@ class CacheSite:
     device: torch.device
     share_host: bool
     private_processes: int = 1
-
-
-def _bytes(value: object) -> bool:
-    """Whether ``value`` is a number of bytes (a whole number >= 0; True and False are not)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def cache_directories(run_token: str, node_rank: int, spill_root: str | None) -> tuple[Path, Path]:
@@ -66,18 +62,18 @@ class CacheControl:
     def __init__(self, mode: bool | str, cache_dir: str | None, ram_bytes: int, device_bytes: int | str) -> None:
         if mode not in ("auto", True, False):
             raise ValueError(f"ElasticPipelineStrategy(cache={mode!r}): use 'auto', True or False.")
-        if not (device_bytes == "auto" or (_bytes(device_bytes))):
+        if not (device_bytes == "auto" or byte_count(device_bytes) is not None):
             raise ValueError(
                 f"ElasticPipelineStrategy(cache_device_bytes={device_bytes!r}): use 'auto' or a number of bytes >= 0."
             )
-        if not _bytes(ram_bytes):
+        if byte_count(ram_bytes) is None:
             raise ValueError(f"ElasticPipelineStrategy(cache_ram_bytes={ram_bytes!r}): use a number of bytes >= 0.")
         if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
             raise ValueError(f"ElasticPipelineStrategy(cache_dir={cache_dir!r}): use a folder's path, or None.")
         self.mode = mode
         self.cache_dir = cache_dir
-        self.ram_bytes = ram_bytes
-        self.device_bytes = device_bytes
+        self.ram_bytes = byte_count(ram_bytes)
+        self.device_bytes = device_bytes if device_bytes == "auto" else byte_count(device_bytes)
         self.cache: AutoCache | None = None
         self.eval_cache: AutoCache | None = None
         self._refusal: str | None = None

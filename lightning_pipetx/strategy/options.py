@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 from lightning_pipetx.strategy.stage_runner import SCHEDULES
@@ -16,6 +17,14 @@ def _error(name: str, value: Any, accepted: str) -> ValueError:
 
 def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def byte_count(value: Any) -> int | None:
+    """``value`` as a number of bytes >= 0 (an integer, numpy's too, or a whole float such as
+    ``16e9``); None where it is none (True and False are not)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
+        return None
+    return int(value) if float(value).is_integer() else None
 
 
 def check_arguments(
@@ -38,7 +47,7 @@ def check_arguments(
         raise _error("profile_steps", profile_steps, "use a whole number >= 0")
     if sampler not in SAMPLERS:
         raise _error("sampler", sampler, f"choose one of {SAMPLERS}")
-    if memory_budget is not None and (not _whole(memory_budget) or memory_budget <= 0):
+    if memory_budget is not None and (byte_count(memory_budget) is None or memory_budget <= 0):
         raise _error("memory_budget", memory_budget, "use a number of bytes > 0")
     if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or bucket_cap_mb <= 0:
         raise _error("bucket_cap_mb", bucket_cap_mb, "use a size in MB > 0")
