@@ -442,6 +442,19 @@ def test_a_sum_over_the_replicas_counts_every_sample_once_in_the_epoch_a_transit
         assert report["values"]["count"] == [32.0, 32.0, 32.0]
 
 
+def test_values_each_stage_logs_of_its_own_are_reduced_after_a_transition(tmp_path):
+    # Gradient norms logged for the epoch from on_before_optimizer_step: each stage logs the norms
+    # of the weights it holds, keys the other stage does not log. Reduced over the world after the
+    # transition (2x1 -> 1x2) that ends epoch 0, the ranks' reductions paired unlike keys, and hung.
+    run_workers("recipes_worker.py", 2, str(tmp_path), "stage_norms")
+    reports = _reports(tmp_path, "stage_norms")
+    for report in reports:
+        assert [e["layout"] for e in report["epochs"]] == ["2x1", "1x2"]
+    totals = [report["values"]["grad_2.0_norm_total"] for report in reports]
+    assert totals[0][0] != totals[1][0]  # each stage's own weights (a documented limitation under a pipeline)
+    assert totals[0][1] == totals[1][1]  # two replicas of the whole model, reduced over both
+
+
 def test_a_sum_over_the_replicas_counts_every_sample_once_after_a_resume_in_mid_epoch(summed_count_run, tmp_path):
     # Resuming re-applies the frozen prefix before the first step (a move 2x1 -> 1x2 that ends
     # no epoch): what the resumed epoch logs is summed over the layout it trains on.

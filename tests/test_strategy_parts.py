@@ -567,7 +567,7 @@ def test_a_run_that_failed_in_validation_leaves_no_evaluation_state_behind():
     metrics = PipelineMetrics(running_layout=lambda: Layout(1, 2))
     metrics.evaluation_starts(torch.nn.Module(), namedtuple("OneStage", "pipeline_length")(1))
     metrics.remove()  # teardown after the exception
-    metrics.logged_layout = Layout(2, 1)  # a transition 2x1 -> 1x2 ended the epoch
+    metrics.logged_under(Layout(2, 1), None, lambda: None)  # a transition 2x1 -> 1x2 ended the epoch
     assert metrics.state_ranks() == Layout(2, 1).stage_ranks(1) == [0]  # global rank 0 is the last stage
 
 

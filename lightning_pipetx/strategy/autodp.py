@@ -107,7 +107,7 @@ class AutoDP:
         # first stage's for pre, its last stage's for the rest): the new layout's may not have.
         engine.share_outer_buffers()
         self.moving = True
-        engine.close(restore_weights=False)
+        engine.close(restore_weights=False, destroy_groups=False)  # the caller frees them: logged values may need them
         received, nbytes = move_blocks(blocks, optimizers, store, old_plan, plan, rank, device)
         new_engine = build_engine(plan)
         self.moving = False

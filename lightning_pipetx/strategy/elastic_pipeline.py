@@ -37,6 +37,7 @@ from lightning_pipetx.strategy.lightning_compat import (
     LoaderRebuild,
     check_lightning_internals,
     clip_norm_over_stages,
+    forget_reset_results,
     restore_clipping,
 )
 from lightning_pipetx.strategy.loss_scaling import agreeing_scaler
@@ -271,7 +272,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         check_lightning_internals(trainer)
         self._last_run = ClosedRun()
-        self._metrics.logged_layout = None
+        self._metrics.forget_logged()
         self._loader_rebuild = LoaderRebuild()
         if trainer.state.fn == TrainerFn.FITTING:
             self._loader_rebuild.install(trainer)  # before configure_optimizers, which may build the training loader
@@ -404,7 +405,9 @@ class ElasticPipelineStrategy(DDPStrategy):
         self.last_transition = done
         self._transition_seconds = done.seconds
         if trainer.training:  # the epoch's logged values are reduced after this, until the next epoch starts
-            self._metrics.logged_layout = engine.layout
+            self._metrics.logged_under(engine.layout, engine.topology.stage_group, engine.topology.destroy)
+        else:
+            engine.topology.destroy()
         if self.is_global_zero:
             log.info("pipetx: frozen %d->%d blocks, %s by rank 0", previous, frozen_blocks, done.describe())
 
@@ -462,7 +465,7 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def on_train_start(self) -> None:
         # After the callbacks' hooks: a frozen prefix re-applied on resume moved before anything was logged.
-        self._metrics.logged_layout = None
+        self._metrics.forget_logged()
         self._epoch_begun = None
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -477,6 +480,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         epoch = self.lightning_module.trainer.current_epoch
         if epoch != self._epoch_begun:  # batch 0, or the first batch of an epoch resumed mid-way
             self._epoch_begun = epoch
+            forget_reset_results(self.lightning_module.trainer)
             self._loader_rebuild.training_rebuilt(self.lightning_module.trainer)
             self._metrics.begin_epoch(self.lightning_module)
             refuse_diverging_learning_rates(self.optimizers, self.root_device)
@@ -626,12 +630,9 @@ class ElasticPipelineStrategy(DDPStrategy):
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         """Reduce over the replicas (this stage's group): every stage holds the same logged values.
         Between a transition and the next epoch, the epoch's training values were logged under the
-        old layout, each replica's on all its stages: over the world, a sum counted once per stage."""
-        logged_under = self._metrics.logged_layout
-        if group is None and logged_under is not None:
-            reduced = super().reduce(tensor, group=None, reduce_op=reduce_op)
-            summed = reduce_op == ReduceOp.SUM or (isinstance(reduce_op, str) and reduce_op.lower() == "sum")
-            return reduced / logged_under.pipeline_length if summed else reduced
+        old layout: over its stage group, kept until then."""
+        if group is None:
+            group = self._metrics.logged_stage_group
         if group is None and self.engine is not None:
             group = self.engine.topology.stage_group
         return super().reduce(tensor, group=group, reduce_op=reduce_op)

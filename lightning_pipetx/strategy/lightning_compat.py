@@ -94,6 +94,14 @@ INTERNALS = (
         ),
     ),
     Internal(
+        "Trainer.fit_loop.epoch_loop._results and its entries' has_reset",
+        "the training results Lightning reset at an epoch's end are dropped, so that every rank reduces keys alike",
+        lambda trainer: (
+            isinstance(getattr(trainer.fit_loop.epoch_loop, "_results", None), dict)
+            and all(hasattr(result, "has_reset") for result in trainer.fit_loop.epoch_loop._results.values())
+        ),
+    ),
+    Internal(
         "torchmetrics.Metric._forward_cache",
         "a logged metric's value for the step, given to the stages that do not compute it in training_step",
         _metric_has_forward_cache,
@@ -133,6 +141,17 @@ def check_lightning_internals(trainer: pl.Trainer, internals: tuple[Internal, ..
         f"(lightning {lightning.__version__}, torchmetrics {torchmetrics.__version__}) do not have: {names}. "
         f"Install a supported version: {SUPPORTED_VERSIONS}."
     )
+
+
+def forget_reset_results(trainer: pl.Trainer) -> None:
+    """At a training epoch's first batch: drop the results Lightning reset at the last epoch's end.
+    It reduces an epoch's values in the order their keys were first logged in the fit; where each
+    stage logged keys of its own (its blocks' gradient norms) that order differs between ranks, and
+    once a transition puts ranks of other stages in one group their reductions would pair unlike
+    keys. Dropped, the keys come back in the order this epoch logs them, alike on every rank."""
+    results = trainer.fit_loop.epoch_loop._results
+    for key in [key for key, result in results.items() if result.has_reset]:
+        del results[key]
 
 
 class LoaderRebuild:

@@ -135,21 +135,39 @@ class PipelineMetrics:
     """The strategy's side of logged values and metrics: which group each metric syncs over
     while steps run, which ranks hold a training metric's states when the epoch syncs it, and
     the layout the epoch's training values were logged under while a transition in the epoch
-    made it differ from the running one (:attr:`logged_layout`, until the next epoch starts).
-    ``running_layout`` gives the running engine's layout (None before set-up)."""
+    made it differ from the running one (:attr:`logged_layout`, until the next epoch starts),
+    whose process groups are kept to reduce them. ``running_layout`` gives the running engine's
+    layout (None before set-up)."""
 
     def __init__(self, running_layout: Callable[[], Layout | None]) -> None:
         self.running_layout = running_layout
         self.logged_layout: Layout | None = None
+        self.logged_stage_group: dist.ProcessGroup | None = None
+        self._free_logged_groups: Callable[[], None] | None = None
         self._evaluating = False
         self._evaluation_group: dist.ProcessGroup | None = None  # while evaluation runs under a pipeline
         self._evaluation = MetricGroups()
         self._training = MetricGroups()
         self._epoch_sync = LastStageSync(self.state_ranks)
 
+    def logged_under(
+        self, layout: Layout, stage_group: dist.ProcessGroup | None, free_groups: Callable[[], None]
+    ) -> None:
+        """A transition in a training epoch: its values were logged under ``layout``, and reduce
+        over this rank's ``stage_group`` of it (the ranks that logged the same keys: a hook may log
+        values of its stage's own, the gradient norms of its blocks) until the next epoch starts;
+        then ``free_groups`` frees that layout's groups."""
+        self.forget_logged()
+        self.logged_layout, self.logged_stage_group, self._free_logged_groups = layout, stage_group, free_groups
+
+    def forget_logged(self) -> None:
+        if self._free_logged_groups is not None:
+            self._free_logged_groups()
+        self.logged_layout, self.logged_stage_group, self._free_logged_groups = None, None, None
+
     def begin_epoch(self, module: nn.Module) -> None:
         """A training epoch starts: the last one's values are reduced by now."""
-        self.logged_layout = None
+        self.forget_logged()
         self._epoch_sync.install(module)  # metrics made since the last epoch too
 
     @contextlib.contextmanager
@@ -200,7 +218,8 @@ class PipelineMetrics:
         self._epoch_sync.remove()
         self._evaluation.exit()
         self._training.exit()
-        self._evaluating, self._evaluation_group, self.logged_layout = False, None, None
+        self._evaluating, self._evaluation_group = False, None
+        self.forget_logged()
 
 
 def forget_computed(module: nn.Module) -> None:

@@ -297,6 +297,18 @@ def sam_module() -> pl.LightningModule:
     return module
 
 
+def stage_norms_module() -> pl.LightningModule:
+    """A tiny BERT that logs its gradient norms for the epoch, synced, before each optimizer step
+    (each stage logs those of the weights it holds: keys the other stages do not log)."""
+    from lightning.pytorch.utilities import grad_norm
+
+    module = build_case_module({"model": "bert", "lr": 1e-3})
+    module.on_before_optimizer_step = lambda optimizer: module.log_dict(
+        grad_norm(module, norm_type=2), sync_dist=True, on_step=False, on_epoch=True
+    )
+    return module
+
+
 def summed_count_module() -> pl.LightningModule:
     """A tiny BERT that logs the samples of each step with ``reduce_fx="sum"`` over the replicas."""
     module = build_case_module({"model": "bert", "lr": 1e-3})

@@ -38,6 +38,7 @@ from recipes_cases import (
     sam_module,
     scheduled_module,
     shared_list_module,
+    stage_norms_module,
     step_synced_metric_module,
     summed_count_module,
     timm_checkpointing_module,
@@ -103,6 +104,7 @@ EPOCHS = {
     "epoch_metrics": 2,
     "plateau": 3,
     "pruning_replicas": 4,
+    "stage_norms": 2,
 }
 
 
@@ -142,16 +144,21 @@ def main() -> None:
         "weight_penalty": weight_penalty_module,
         "lbfgs": lbfgs_module,
         "sam": sam_module,
+        "stage_norms": stage_norms_module,
     }.get(mode, hook_counting_module)()
     if mode == "layerdrop":  # as Wav2Vec2's and HuBERT's configs have by default
         module.model.config.layerdrop = 0.1
     summary = SummaryAtFitStart()
     freeze = FreezeCallback() if mode.startswith("fp16") else None  # measures gradient norms per step
-    if mode.startswith("scheduled_uneven") or mode in ("summed_count", "epoch_metrics"):  # 2x1 -> 1x2 after epoch 0
+    if mode.startswith("scheduled_uneven") or mode in ("summed_count", "epoch_metrics", "stage_norms"):  # 2x1 -> 1x2
         freeze = FreezeCallback(alpha=3 / 4, signal="schedule")
     if mode == "pruning_replicas":  # 2 and 3 of 4 blocks frozen after epochs 0 and 1, pruned after each epoch
         freeze = FreezeCallback(alpha=1 / 2, signal="schedule")
-    names = {"summed_count": ["count", "pipetx/pipeline_length"], "epoch_metrics": ["train_auroc", "summed_loss"]}
+    names = {
+        "summed_count": ["count", "pipetx/pipeline_length"],
+        "epoch_metrics": ["train_auroc", "summed_loss"],
+        "stage_norms": ["grad_2.0_norm_total"],
+    }
     epochs = EpochSteps(names.get(mode, ()))
     resume = sys.argv[sys.argv.index("resume") + 1] if "resume" in sys.argv else None
     steps = [ModelCheckpoint(out_dir, save_top_k=-1, every_n_train_steps=6)] if mode == "summed_count" else []
@@ -162,7 +169,7 @@ def main() -> None:
         seconds=30
         if mode
         in ("hidden_states", "intermediates", "timm_checkpointing", "reentrant", "two_calls", "between_blocks")
-        + ("block_hooks", "block_hooks_inside", "weight_penalty", "lbfgs", "sam")
+        + ("block_hooks", "block_hooks_inside", "weight_penalty", "lbfgs", "sam", "stage_norms")
         else 1800
     )
     trainer = pl.Trainer(
@@ -210,7 +217,7 @@ def main() -> None:
         report["train_acc"] = float(trainer.callback_metrics["train_acc"])
     elif mode == "pruning_replicas":
         report["cache_hit_rate"] = float(trainer.callback_metrics.get("pipetx/cache_hit_rate", -1.0))
-    elif mode in ("summed_count", "epoch_metrics"):
+    elif mode in ("summed_count", "epoch_metrics", "stage_norms"):
         epochs.record(trainer)
         report["values"] = epochs.values
         report["epochs"] = epochs.rows
