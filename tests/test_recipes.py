@@ -308,6 +308,13 @@ def test_a_step_that_needs_what_other_stages_hold_is_refused_under_a_pipeline(mo
     assert "pipeline_length=1" in output
 
 
+def test_a_step_that_skips_its_batch_by_returning_none_is_refused(tmp_path):
+    # As Lightning's DDP refuses it; the first stage returns before reaching its blocks.
+    output = run_workers("recipes_worker.py", 2, str(tmp_path), "none_step", expect_failure=True)
+    assert "UnsupportedRecipeError: training_step returned None for a micro-batch" in output
+    assert "without reaching block" not in output
+
+
 def _fit_with_cache(module, cache, tmp_path, caplog, **trainer_args):
     from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 

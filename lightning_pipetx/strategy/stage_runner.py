@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_pipetx.strategy.fingerprint import batch_fingerprint
+from lightning_pipetx.strategy.model_checks import UnsupportedRecipeError
 from lightning_pipetx.strategy.p2p import (
     Activation,
     Channel,
@@ -123,7 +124,19 @@ def communication_plan(
     return [batch for batch in batches if batch]
 
 
+def refuse_skipped_step() -> None:
+    """``training_step`` returned None, which asks Lightning to skip the batch."""
+    raise UnsupportedRecipeError(
+        "training_step returned None for a micro-batch, which asks Lightning to skip the batch (plain Lightning "
+        "does on one device; its DDP refuses it, as here): every rank runs the step of every micro-batch and "
+        "takes the optimizer step together. Leave such batches out in the data instead (a collate_fn that returns "
+        "None for a batch makes Lightning skip it), or return the loss."
+    )
+
+
 def extract_loss(output: Any) -> torch.Tensor:
+    if output is None:
+        refuse_skipped_step()
     loss = output.get("loss") if isinstance(output, dict) else output
     if not isinstance(loss, torch.Tensor):
         raise RuntimeError(
@@ -268,6 +281,8 @@ class StageRunner:
             return _InFlight(incoming, sent), act
         finally:
             hooks.incoming, hooks.calls = None, None
+        if output is None:  # returned before its model call, on a stage whose blocks it never reached
+            refuse_skipped_step()
         if not topo.is_last_stage:
             raise RuntimeError(
                 f"stage {topo.stage} finished its step without reaching block {self.hooks.end - 1}: the "

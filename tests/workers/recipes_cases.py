@@ -309,6 +309,17 @@ def stage_norms_module() -> pl.LightningModule:
     return module
 
 
+def none_step_module() -> pl.LightningModule:
+    """A tiny BERT whose training step skips its second batch by returning None, before the model call."""
+    module = build_case_module({"model": "bert", "lr": 1e-3})
+
+    def training_step(batch, batch_idx):
+        return None if batch_idx == 1 else module.model(**batch).loss
+
+    module.training_step = training_step
+    return module
+
+
 def summed_count_module() -> pl.LightningModule:
     """A tiny BERT that logs the samples of each step with ``reduce_fx="sum"`` over the replicas."""
     module = build_case_module({"model": "bert", "lr": 1e-3})

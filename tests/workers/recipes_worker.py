@@ -32,6 +32,7 @@ from recipes_cases import (
     hook_counting_module,
     intermediates_module,
     lbfgs_module,
+    none_step_module,
     plateau_module,
     popping_module,
     random_masking,
@@ -144,6 +145,7 @@ def main() -> None:
         "weight_penalty": weight_penalty_module,
         "lbfgs": lbfgs_module,
         "sam": sam_module,
+        "none_step": none_step_module,
         "stage_norms": stage_norms_module,
     }.get(mode, hook_counting_module)()
     if mode == "layerdrop":  # as Wav2Vec2's and HuBERT's configs have by default
@@ -169,7 +171,7 @@ def main() -> None:
         seconds=30
         if mode
         in ("hidden_states", "intermediates", "timm_checkpointing", "reentrant", "two_calls", "between_blocks")
-        + ("block_hooks", "block_hooks_inside", "weight_penalty", "lbfgs", "sam", "stage_norms")
+        + ("block_hooks", "block_hooks_inside", "weight_penalty", "lbfgs", "sam", "stage_norms", "none_step")
         else 1800
     )
     trainer = pl.Trainer(
