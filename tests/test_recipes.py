@@ -308,6 +308,13 @@ def test_a_step_that_needs_what_other_stages_hold_is_refused_under_a_pipeline(mo
     assert "pipeline_length=1" in output
 
 
+def test_an_optimizer_that_calls_the_closure_again_in_an_accumulation_window_is_refused(tmp_path):
+    # On 1x2, where SAM without accumulation trains as under DDP.
+    output = run_workers("recipes_worker.py", 2, str(tmp_path), "sam_accumulated", expect_failure=True)
+    assert "UnsupportedRecipeError: the optimizer's step called the closure" in output
+    assert "accumulate_grad_batches=2" in output and "was not zeroed" not in output
+
+
 def test_a_step_that_skips_its_batch_by_returning_none_is_refused(tmp_path):
     # As Lightning's DDP refuses it; the first stage returns before reaching its blocks.
     output = run_workers("recipes_worker.py", 2, str(tmp_path), "none_step", expect_failure=True)

@@ -517,7 +517,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         self._closure_calls += 1
         if self._closure_calls > 1:
-            refuse_repeated_closure(self._require_engine().layout.pipeline_length)
+            refuse_repeated_closure(self._require_engine().layout.pipeline_length, trainer.accumulate_grad_batches)
         loss_scale = 1.0 / max(1, trainer.accumulate_grad_batches)
         indices, upcoming = self._batch_keys
         engine, step = self._require_engine(), self.lightning_module.training_step

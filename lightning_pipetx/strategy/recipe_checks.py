@@ -78,10 +78,18 @@ def refuse_whole_model_optimizers(optimizers: list[torch.optim.Optimizer], pipel
             )
 
 
-def refuse_repeated_closure(pipeline_length: int) -> None:
-    """Refuse, under a pipeline, an optimizer step that called the closure (``training_step`` and
-    the backward) a second time for one batch: such an optimizer (SAM and its variants) computes on
-    every weight's gradient between the calls, a norm over the whole model, which no stage holds."""
+def refuse_repeated_closure(pipeline_length: int, accumulate_grad_batches: int) -> None:
+    """Refuse an optimizer step that called the closure (``training_step`` and the backward) a
+    second time for one batch, under a pipeline or in an accumulation window: such an optimizer
+    (SAM and its variants) computes on every weight's gradient between the calls, a norm over the
+    whole model, which no stage holds; and the window's gradients are reduced once, at its end."""
+    if pipeline_length == 1 and accumulate_grad_batches > 1:
+        raise UnsupportedRecipeError(
+            f"the optimizer's step called the closure (training_step and the backward) a second time for one batch, "
+            f"at the end of an accumulation window (accumulate_grad_batches={accumulate_grad_batches}): "
+            f"ElasticPipelineStrategy reduces a window's gradients once, with its last backward. Pass "
+            f"accumulate_grad_batches=1 with such an optimizer (SAM and its variants), or Lightning's DDP."
+        )
     if pipeline_length > 1:
         raise UnsupportedRecipeError(
             f"the optimizer's step called the closure (training_step and the backward) a second time for one batch "

@@ -145,6 +145,7 @@ def main() -> None:
         "weight_penalty": weight_penalty_module,
         "lbfgs": lbfgs_module,
         "sam": sam_module,
+        "sam_accumulated": sam_module,
         "none_step": none_step_module,
         "stage_norms": stage_norms_module,
     }.get(mode, hook_counting_module)()
@@ -164,14 +165,23 @@ def main() -> None:
     epochs = EpochSteps(names.get(mode, ()))
     resume = sys.argv[sys.argv.index("resume") + 1] if "resume" in sys.argv else None
     steps = [ModelCheckpoint(out_dir, save_top_k=-1, every_n_train_steps=6)] if mode == "summed_count" else []
-    length = 1 if mode in ("fp16_fused_replicas", "pruning_replicas") else 2
+    length = 1 if mode in ("fp16_fused_replicas", "pruning_replicas", "sam_accumulated") else 2
     # The refused outputs are refused on the first stage only (the last one waits for its hidden
     # state): the ranks agree on the failure within a third of this timeout.
     timeout = timedelta(
         seconds=30
         if mode
         in ("hidden_states", "intermediates", "timm_checkpointing", "reentrant", "two_calls", "between_blocks")
-        + ("block_hooks", "block_hooks_inside", "weight_penalty", "lbfgs", "sam", "stage_norms", "none_step")
+        + (
+            "block_hooks",
+            "block_hooks_inside",
+            "weight_penalty",
+            "lbfgs",
+            "sam",
+            "sam_accumulated",
+            "stage_norms",
+            "none_step",
+        )
         else 1800
     )
     trainer = pl.Trainer(
@@ -192,6 +202,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=2 if mode == "epoch_metrics" else 0,
+        accumulate_grad_batches=2 if mode == "sam_accumulated" else 1,
         val_check_interval="00:00:00:01" if mode == "timed_validation" else None,
         # Lightning's PyTorchProfiler puts forward hooks on every module, to name each one's time
         profiler=PyTorchProfiler(dirpath=out_dir, filename="profile") if mode == "hooks_profiled" else None,
