@@ -3,6 +3,7 @@
 import errno
 import json
 import os
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -384,6 +385,23 @@ def test_a_batch_lightning_skips_leaves_the_cache_on_the_next_batches_samples(tm
         cached, rates, _ = fit("auto", data, tmp_path, epochs=8, collate_fn=_SkippingEveryFourth())
     _same(cached, uncached)
     assert "input changed" not in caplog.text and rates[-3:] == [1.0, 1.0, 1.0]
+
+
+def _barebones_warnings(run):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    return len([w for w in caught if "barebones" in str(w.message)])
+
+
+def test_a_barebones_trainer_warns_only_of_the_module_s_own_logs(tmp_path):
+    # Trainer(barebones=True) logs nothing and warns at every self.log: the strategy and the callback log none.
+    data = tm.RandomTokenDataset(size=32, seed=1)
+    ours = _barebones_warnings(lambda: fit("auto", data, tmp_path, trainer_kwargs={"barebones": True}))
+    plain = tm.make_trainer([], max_epochs=4, barebones=True)
+    module = tm.TinyBertClassifier(seed=0, dropout=0.0)
+    lightnings = _barebones_warnings(lambda: plain.fit(module, DataLoader(data, batch_size=8, shuffle=True)))
+    assert ours == lightnings > 0  # the module's train_loss, every step
 
 
 def drop_first_row(samples):

@@ -309,15 +309,15 @@ class FreezeCallback(Callback):
     # ---------------------------------------------------------------- decision
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._norms.agree()
-        # The values agree on every rank; sync_dist only keeps Lightning from warning.
-        pl_module.log("pipetx/frozen_blocks", float(self.frozen_blocks), on_step=False, on_epoch=True, sync_dist=True)
+        values = {"frozen_blocks": float(self.frozen_blocks)}
         if self._epoch_seconds > 0 and self._epoch_samples > 0:
-            samples = self._epoch_samples * num_replicas(trainer)
-            throughput = samples / self._epoch_seconds
-            pl_module.log("pipetx/samples_per_sec", throughput, on_step=False, on_epoch=True, sync_dist=True)
+            values["samples_per_sec"] = self._epoch_samples * num_replicas(trainer) / self._epoch_seconds
         cache_stats = getattr(trainer.strategy, "epoch_cache_stats", None)
         if callable(cache_stats):  # ElasticPipelineStrategy's AutoCache; a collective call
-            for name, value in cache_stats().items():
+            values.update(cache_stats())
+        if not trainer.barebones:  # which logs nothing, and warns at self.log
+            for name, value in values.items():
+                # The values agree on every rank; sync_dist only keeps Lightning from warning.
                 pl_module.log(f"pipetx/{name}", value, on_step=False, on_epoch=True, sync_dist=True)
         self._judge_observed(trainer)
         self._epochs_ended = trainer.current_epoch

@@ -489,8 +489,10 @@ class ElasticPipelineStrategy(DDPStrategy):
             values = {"pipeline_length": layout.pipeline_length, "replicas": layout.replicas}
             if self._transition_seconds is not None:
                 values["transition_seconds"], self._transition_seconds = self._transition_seconds, None
-            for name, value in values.items():
-                self.lightning_module.log(f"pipetx/{name}", float(value), on_step=False, on_epoch=True, sync_dist=True)
+            if not self.lightning_module.trainer.barebones:  # which logs nothing, and warns at self.log
+                for name, value in values.items():
+                    log_value = float(value)
+                    self.lightning_module.log(f"pipetx/{name}", log_value, on_step=False, on_epoch=True, sync_dist=True)
 
     def _broadcast_module_state(self) -> None:
         """Start every rank from global rank 0's weights, as DDP does when it wraps."""
