@@ -50,6 +50,7 @@ from finetune import ideal_speedup  # noqa: E402
 from image_classification import ImageClassifier, ImageDataModule  # noqa: E402
 from pipeline_static import add_keep_freed_memory_option, keep_freed_memory_if_asked  # noqa: E402
 from text_classification import SentimentDataModule, TextClassifier  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback  # noqa: E402
 from lightning_pipetx.callbacks.report import EpochReport  # noqa: E402
@@ -179,6 +180,27 @@ def warm_up(args: argparse.Namespace) -> None:
         _trainer(args, [], max_epochs=1, limit_train_batches=args.warmup_batches, limit_val_batches=0).fit(model, data)
 
 
+def _in_distributed_order(data: pl.LightningDataModule) -> None:
+    """Shuffle the training loader as Lightning does under a distributed strategy (a
+    ``DistributedSampler``, seed 0), the strategy's single-device run included, so that the runs
+    without one train on the same batches in the same order."""
+    make = data.train_dataloader
+
+    def train_dataloader() -> DataLoader:
+        loader = make()
+        order = DistributedSampler(loader.dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+        return DataLoader(
+            loader.dataset,
+            batch_size=loader.batch_size,
+            sampler=order,
+            num_workers=loader.num_workers,
+            collate_fn=loader.collate_fn,
+            drop_last=loader.drop_last,
+        )
+
+    data.train_dataloader = train_dataloader
+
+
 def run(args: argparse.Namespace, name: str) -> dict[str, Any]:
     """One fit (``unfrozen``, ``frozen`` or ``frozen_cached``); per-epoch times, accuracies, frozen blocks."""
     print(f"\n=== {name} ===", flush=True)
@@ -191,6 +213,7 @@ def run(args: argparse.Namespace, name: str) -> dict[str, Any]:
     if name == "frozen_cached":  # the single-device path of the strategy, for AutoCache
         kwargs["strategy"] = ElasticPipelineStrategy(cache=True)
     model, data = _build(args)
+    _in_distributed_order(data)
     _trainer(args, callbacks, max_epochs=args.epochs, **kwargs).fit(model, data)
     records = report.records
     return {
@@ -221,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if blocks * 2 >= args.depth and hits == 1.0
     ]
 
-    ideal_frozen = ideal_speedup(cached["frozen_blocks"], args.depth, cache=False)
+    ideal_frozen = ideal_speedup(frozen["frozen_blocks"], args.depth, cache=False)
     ideal_cached = ideal_speedup(cached["frozen_blocks"], args.depth)
     ratios = [f / u for f, u in zip(frozen["train_seconds"], unfrozen["train_seconds"])]
     total_ratio = frozen["total_train_seconds"] / unfrozen["total_train_seconds"]

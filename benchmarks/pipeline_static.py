@@ -226,6 +226,7 @@ def main() -> None:
         summary["pipe_k1_over_ddp_per_repeat"] = pairs
     if pipe in runs and "pipe_k1" in runs:
         bubble = throughput("pipe_k1") * m / (m + k - 1)
+        summary["bubble_model_samples_per_s"] = bubble
         summary[f"{pipe}_over_bubble_model"] = throughput(pipe) / bubble
     if pipe in runs and "ddp" in runs:
         summary[f"{pipe}_over_ddp"] = throughput(pipe) / throughput("ddp")
@@ -242,7 +243,10 @@ def main() -> None:
         per_repeat = " ".join(f"{r:.3f}" for r in summary["pipe_k1_over_ddp_per_repeat"])
         print(f"\npipe_k1 / ddp: {summary['pipe_k1_over_ddp']:.3f} (target >= 1.0; run by run: {per_repeat})")
     if f"{pipe}_over_bubble_model" in summary:
-        print(f"{pipe} / bubble model pipe_k1*M/(M+K-1): {summary[f'{pipe}_over_bubble_model']:.3f}")
+        ratio, bubble = summary[f"{pipe}_over_bubble_model"], summary["bubble_model_samples_per_s"]
+        print(
+            f"{pipe} / bubble model pipe_k1*M/(M+K-1): {ratio:.3f} ({throughput(pipe):.1f} vs {bubble:.1f} samples/s)"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=2))
     print(f"written to {args.out}")

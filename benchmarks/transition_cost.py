@@ -124,10 +124,13 @@ def main() -> None:
             f"rank {rank['rank']}: {moved['from']} -> {moved['to']}: {moved['seconds']:.2f} s, "
             f"{moved['blocks_received']} blocks, {moved['bytes_received'] / 2**20:.1f} MiB received"
         )
-    seconds = max((r["transition"] or {}).get("seconds", 0.0) for r in ranks)
+    measured = [r["transition"]["seconds"] for r in ranks if r["transition"] is not None]
+    seconds = max(measured) if measured else None
     summary = {"command": " ".join([sys.executable, *sys.argv]), "settings": vars(args), "ranks": ranks}
     summary["transition_seconds"] = seconds
-    if epoch:
+    if seconds is None:
+        print("nothing measured: no rank moved (a model this small keeps its layout; give it more --blocks)")
+    elif epoch:
         summary["finetune_epoch_seconds"] = epoch
         summary["fraction_of_epoch"] = seconds / epoch
         print(f"transition {seconds:.2f} s = {seconds / epoch:.1%} of a {epoch:.1f} s fine-tune epoch (target < 2%)")
