@@ -111,6 +111,9 @@ def worker(args: argparse.Namespace) -> None:
             epoch = trainer.current_epoch
             if batch_idx == 0 and epoch in (self.clean_epoch, self.last_epoch):
                 self.started = self._now()
+            if batch_idx == 0 and epoch == self.clean_epoch:  # what the timed epochs train with
+                freeze = [c.frozen_blocks for c in trainer.callbacks if isinstance(c, FreezeCallback)]
+                self.result["frozen_blocks"] = freeze[0] if freeze else 0
             if epoch == self.last_epoch and batch_idx == 0 and self.device_steps:
                 activity = torch.profiler.ProfilerActivity.CUDA
                 self.device_profile = torch.profiler.profile(activities=[activity])
@@ -195,7 +198,6 @@ def worker(args: argparse.Namespace) -> None:
         )
         model = TextClassifier(lr=1e-4, pretrained=args.pretrained, fused=FUSED[args.fused])
     trainer.fit(model, data)
-    clock.result["frozen_blocks"] = callbacks[0].frozen_blocks if args.worker == "full" else 0
     clock.result["cache_hit_rate"] = trainer.callback_metrics.get("pipetx/cache_hit_rate")
     if clock.result["cache_hit_rate"] is not None:
         clock.result["cache_hit_rate"] = float(clock.result["cache_hit_rate"])
