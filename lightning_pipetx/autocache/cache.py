@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ from lightning_pipetx.autocache.tiers import (
     nbytes_of,
     ram_room,
 )
+from lightning_pipetx.strategy.microbatch import sample_shapes
 from lightning_pipetx.strategy.p2p import Activation
 
 log = logging.getLogger("lightning_pipetx")
@@ -108,10 +110,11 @@ class AutoCache:
             self._warned = True
             log.warning("pipetx: %s switched off for this run: %s", self.label, reason)
 
-    def check_input_shapes(self, shapes: list[tuple[int, ...]]) -> None:
+    def check_input_shapes(self, batch: Any) -> None:
         """Switch the cache off at a batch whose samples are shaped otherwise than the run's first
         batch's (padded to another length: dynamic padding), before a state cached for another
         length is served to them."""
+        shapes = sample_shapes(batch)
         if self.input_shapes is None:
             self.input_shapes = shapes
         elif shapes != self.input_shapes:

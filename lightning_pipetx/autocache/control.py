@@ -21,7 +21,6 @@ from lightning_pipetx.autocache.guards import (
 )
 from lightning_pipetx.autocache.tiers import TIER_NAMES
 from lightning_pipetx.blocks import BlockSplit
-from lightning_pipetx.strategy.microbatch import sample_shapes
 from lightning_pipetx.strategy.options import byte_count
 
 _SHM = Path("/dev/shm")
@@ -169,7 +168,7 @@ class CacheControl:
         """Before a training batch whose samples are recorded, on every rank (a rank that is a
         first stage only after a transition knows the run's shapes too): the shapes of its samples."""
         if self.cache is not None and self.cache.enabled:
-            self.cache.check_input_shapes(sample_shapes(batch))
+            self.cache.check_input_shapes(batch)
 
     def begin_epoch(self, world_size: int) -> None:
         """A training epoch starts (a collective where the cache exists): the verdicts on the frozen

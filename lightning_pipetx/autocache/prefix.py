@@ -27,7 +27,6 @@ class CachedPrefix:
         self.cache = cache
         self.hooks = hooks
         self.device = device
-        self._sample_shapes: list[tuple[int, ...]] | None = None  # of the last batch recorded
 
     def begin_step(
         self, batch: Any, indices: torch.Tensor, sizes: list[int], depth: int
@@ -79,7 +78,6 @@ class CachedPrefix:
 
     def _observe_input(self, indices: torch.Tensor, batch: Any) -> None:
         self.cache.guard.observe(indices, sample_fingerprints(batch, len(indices), self.device))
-        self._sample_shapes = sample_shapes(batch)
 
     def _observe_prefix_input(self, indices: torch.Tensor, hidden: torch.Tensor) -> None:
         if hidden.dim() > 0 and hidden.shape[0] == len(indices):  # one row per sample
@@ -100,8 +98,8 @@ class CachedPrefix:
         cache = self.cache
         try:  # loading them may fail too (a dataset opened in the loader's workers only)
             batch = load()
-            if sample_shapes(batch) != self._sample_shapes:
-                return  # padded to another length than the epoch's batches: its states would not fit
+            if sample_shapes(batch) != cache.input_shapes:
+                return  # padded to another length than the run's batches: its states would not fit
             self._observe_input(indices, batch)
             with self._microbatch(indices, depth, stop_at_capture=True):
                 run(batch)

@@ -42,7 +42,6 @@ from lightning_pipetx.strategy.lightning_compat import (
 )
 from lightning_pipetx.strategy.loss_scaling import agreeing_scaler
 from lightning_pipetx.strategy.metric_sync import PipelineMetrics
-from lightning_pipetx.strategy.microbatch import sample_shapes
 from lightning_pipetx.strategy.model_checks import (
     CollectedOutputChecks,
     microbatches_for_training,
@@ -567,7 +566,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         engine = self._require_engine()
         cache, indices, upcoming = self._cache_feed.validation_keys(args)  # AutoCache's, in fit
         if cache is not None:  # on every rank: one that becomes a first stage at a transition knows the shapes
-            cache.check_input_shapes(sample_shapes(args[0]))
+            cache.check_input_shapes(args[0])
         engine.eval_cache = cache if cache is not None and cache.enabled else None
         with self.precision_plugin.val_step_context():
             output = engine.eval_step(

@@ -168,8 +168,8 @@ class LoaderRebuild:
         self._train_reload: float | None = None
         self._val_reload: float | None = None
         self._val_seen: dict[int, int] = {}
-        self._returned: dict[str, Any] = {}  # by loop: what its source gave last
-        self._combined: dict[str, tuple[Any, list[Any]]] = {}  # by loop: a CombinedLoader, the loaders first in it
+        # By loop: what its source gave last, and the loaders first in it where that is a CombinedLoader.
+        self._returned: dict[str, tuple[Any, list[Any]]] = {}
         self._reuse: set[str] = set()  # loops whose next build takes that again
         self._sources: list[Any] = []
 
@@ -187,15 +187,15 @@ class LoaderRebuild:
         def dataloader() -> Any:
             reuse, last_reload = loop in self._reuse, self._train_reload if loop == "train" else self._val_reload
             self._reuse.discard(loop)
-            if reuse and loop in self._returned and not _user_reload_due(trainer, last_reload):
-                loaders = self._returned[loop]
+            last, own = self._returned.get(loop, (None, []))
+            if reuse and last is not None and not _user_reload_due(trainer, last_reload):
+                loaders = last
             else:
-                self._returned[loop] = loaders = hook()
+                loaders = hook()
+                if loaders is not last:  # a source given to fit gives the same object, already rewritten
+                    own = list(loaders.flattened) if isinstance(loaders, CombinedLoader) else []
+                self._returned[loop] = (loaders, own)
             if isinstance(loaders, CombinedLoader):
-                seen, own = self._combined.get(loop, (None, []))
-                if seen is not loaders:
-                    own = list(loaders.flattened)
-                    self._combined[loop] = (loaders, own)
                 loaders.flattened = own
             return loaders
 
@@ -206,7 +206,6 @@ class LoaderRebuild:
             source.__dict__.pop("dataloader", None)
         self._sources.clear()
         self._returned.clear()
-        self._combined.clear()
 
     def keep(self, trainer: pl.Trainer) -> None:
         """Before a transition has the loaders rebuilt."""
