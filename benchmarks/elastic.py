@@ -151,10 +151,8 @@ def main() -> None:
                 speedups[base] = runs[base]["wall_seconds"] / run["wall_seconds"]
         run["speedup"] = speedups
         epochs = "  ".join(f"{e['samples_per_sec']:.0f} [{e['layout']}, {e['frozen']}]" for e in run["epochs"])
-        print(
-            f"{config:<14} {run['wall_seconds']:>8.1f} {speedups.get('ddp', float('nan')):>6.2f}x "
-            f"{speedups.get('pipe', float('nan')):>7.2f}x {run['final_val_acc']:>8.3f}  {epochs}"
-        )
+        vs_ddp, vs_pipe = (f"{speedups[base]:.2f}x" if base in speedups else "-" for base in ("ddp", "pipe"))
+        print(f"{config:<14} {run['wall_seconds']:>8.1f} {vs_ddp:>7} {vs_pipe:>8} {run['final_val_acc']:>8.3f}  {epochs}")
     out = Path(args.out or f"results/elastic_{args.nprocs}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2, default=str))
