@@ -152,7 +152,9 @@ def main() -> None:
         run["speedup"] = speedups
         epochs = "  ".join(f"{e['samples_per_sec']:.0f} [{e['layout']}, {e['frozen']}]" for e in run["epochs"])
         vs_ddp, vs_pipe = (f"{speedups[base]:.2f}x" if base in speedups else "-" for base in ("ddp", "pipe"))
-        print(f"{config:<14} {run['wall_seconds']:>8.1f} {vs_ddp:>7} {vs_pipe:>8} {run['final_val_acc']:>8.3f}  {epochs}")
+        print(
+            f"{config:<14} {run['wall_seconds']:>8.1f} {vs_ddp:>7} {vs_pipe:>8} {run['final_val_acc']:>8.3f}  {epochs}"
+        )
     out = Path(args.out or f"results/elastic_{args.nprocs}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2, default=str))
