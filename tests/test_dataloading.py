@@ -1,13 +1,17 @@
-"""keep_epoch_length: after a transition adds replicas, an epoch of a drop_last loader keeps its
-number of global batches, each holding the samples it held before, for Lightning's
-DistributedSampler, the DistributedSamplerWrapper it puts around a user's sampler, and subclasses."""
+"""The training loader across a transition that adds replicas. keep_epoch_length: an epoch of a
+drop_last loader keeps its number of global batches, each holding the samples it held before, for
+Lightning's DistributedSampler, the DistributedSamplerWrapper it puts around a user's sampler, and
+subclasses. A DistributedSampler of the user's is dealt again to the new replicas; another sampler
+of the user's keeps the replicas. A float limit_val_batches keeps layouts that validate a batch."""
 
 import pytest
 import torch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from lightning_pipetx.strategy.dataloading import keep_epoch_length, rebatch
+from lightning_pipetx.strategy.autodp import AutoDP
+from lightning_pipetx.strategy.dataloading import DealtLoader, deal_again, deals_to_replicas, keep_epoch_length, rebatch
+from lightning_pipetx.strategy.topology import Layout
 
 SAMPLES, BATCH = 39, 8  # 4 batches of 8 an epoch on one replica; padded shares give 5 on two
 
@@ -75,3 +79,72 @@ def test_what_is_kept_is_the_start_of_each_padded_share_in_its_order(kind):
         padded = _at_epoch(_loader(kind, 2, rank, batch0))
         assert type(kept.sampler) is type(padded.sampler) and kept.sampler.drop_last
         assert [b.tolist() for b in kept] == [b.tolist() for b in padded][: SAMPLES // BATCH]
+
+
+class _OwnBatches(torch.utils.data.BatchSampler):
+    """A batch sampler of the user's, over the user's DistributedSampler."""
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(SAMPLES))
+
+
+def _epoch_of(loader, epoch=2):
+    """Set the epoch as Lightning does, on the sampler or the batch sampler's."""
+    getattr(loader.batch_sampler, "sampler", loader.sampler).set_epoch(epoch)
+    return loader
+
+
+def _own(replicas, rank, position):
+    """What a user builds from ``trainer.strategy.distributed_sampler_kwargs`` (Lightning keeps it)."""
+    sampler = DistributedSampler(list(range(SAMPLES)), num_replicas=replicas, rank=rank, shuffle=True, seed=0)
+    if position == "sampler":
+        return DataLoader(list(range(SAMPLES)), batch_size=4, sampler=sampler)
+    return DataLoader(list(range(SAMPLES)), batch_sampler=_OwnBatches(sampler, 4, drop_last=False))
+
+
+@pytest.mark.parametrize("position", ["sampler", "batch_sampler"])
+@pytest.mark.parametrize("replicas0, replicas", [(1, 2), (2, 4)])
+def test_a_users_distributed_sampler_is_dealt_again_as_lightning_would_build_it(position, replicas0, replicas):
+    dealt = [_epoch_of(deal_again(_own(replicas0, 0, position), replicas, rank)) for rank in range(replicas)]
+    built = [_epoch_of(_own(replicas, rank, position)) for rank in range(replicas)]
+    assert [[b.tolist() for b in loader] for loader in dealt] == [[b.tolist() for b in loader] for loader in built]
+    assert deals_to_replicas(dealt[0])
+
+
+def test_a_sampler_that_does_not_deal_to_replicas_keeps_them():
+    data = list(range(SAMPLES))
+    assert not deals_to_replicas(DataLoader(data, batch_size=4, shuffle=True))
+    assert not deals_to_replicas(DataLoader(_Stream(), batch_size=4))
+    autodp = AutoDP()
+    autodp.reset(world_size=2)
+    loader = DataLoader(data, batch_size=4, shuffle=True)
+    assert autodp.reshard(loader, 1, 0) is loader
+    assert autodp.accepts(Layout(2, 1)) and not autodp.accepts(Layout(1, 2))
+
+
+@pytest.mark.parametrize("samples, accepted", [(8, False), (16, True)])
+def test_a_float_val_limit_keeps_layouts_whose_replicas_still_validate_a_batch(samples, accepted):
+    # limit_val_batches=0.5, batches of 4: one replica checks 1 of 2 (8 samples) or 2 of 4 (16);
+    # two replicas 0.5 of 1 (Lightning refuses: none) or 1 of 2.
+    autodp = AutoDP()
+    autodp.reset(world_size=2)
+    sampler = DistributedSampler(list(range(samples)), num_replicas=1, rank=0, shuffle=False)
+    autodp.note_validation(DataLoader(list(range(samples)), batch_size=4, sampler=sampler), 0.5)
+    train = DataLoader(list(range(32)), batch_size=4, sampler=DistributedSampler(list(range(32)), 1, 0))
+    autodp.reshard(train, 1, 0)
+    assert autodp.accepts(Layout(2, 1)) and autodp.accepts(Layout(1, 2)) is accepted
+
+
+@pytest.mark.parametrize("samples, replicas", [(7, 2), (8, 3), (9, 4), (16, 2)])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_the_batches_a_dealt_loader_gives_a_replica_are_what_torch_gives(samples, replicas, drop_last):
+    data = list(range(samples))
+    for sampler_drop_last in (False, True):
+        sampler = DistributedSampler(data, num_replicas=replicas, rank=0, drop_last=sampler_drop_last)
+        loader = DataLoader(data, batch_size=2, sampler=sampler, drop_last=drop_last)
+        one = DistributedSampler(data, num_replicas=1, rank=0, drop_last=sampler_drop_last)
+        assert DealtLoader.of(DataLoader(data, batch_size=2, sampler=one, drop_last=drop_last)).batches(
+            replicas
+        ) == len(loader)

@@ -165,3 +165,36 @@ def test_ranks_that_shard_the_data_themselves_never_read_each_other_s_cached_sta
         assert cached["ram_budget"] == 8 * 2**30 // 2  # cache_ram_bytes is the node's: each rank holds to half
         for key, value in plain["weights"].items():
             torch.testing.assert_close(torch.tensor(cached["weights"][key]), torch.tensor(value), msg=key)
+
+
+def test_a_users_distributed_sampler_is_dealt_to_the_new_replicas(tmp_path):
+    # Built from trainer.strategy.distributed_sampler_kwargs for 1 replica (2x1) and, as under DDP,
+    # not rebuilt by the hook after 2x1 -> 1x2: each replica must train its half, as Lightning's sampler does.
+    run_workers("loader_kinds_worker.py", 2, str(tmp_path), "own_distributed")
+    ranks = [json.loads((tmp_path / f"own_distributed_rank{rank}.json").read_text()) for rank in range(2)]
+    own, lightning = ranks[0]["own"], ranks[0]["lightning"]
+    assert own["layouts"][0] == "2x1" and own["layouts"][-1] == "1x2" == lightning["layouts"][-1]
+    assert own["global_step"] == lightning["global_step"] == 12
+    for epoch, layout in enumerate(own["layouts"]):
+        first, second = ranks[0]["own"]["seen"][str(epoch)], ranks[1]["own"]["seen"][str(epoch)]
+        assert sorted(first + second) == sorted(list(range(16)) * (2 if layout == "2x1" else 1))
+    for key, value in lightning["weights"].items():
+        torch.testing.assert_close(torch.tensor(own["weights"][key]), torch.tensor(value), msg=key)
+
+
+def test_a_users_sampler_that_does_not_deal_to_replicas_keeps_them(tmp_path):
+    # Every replica would read all 16 samples: 1x2 would train each twice an epoch, in twice the steps.
+    output = run_workers("loader_kinds_worker.py", 2, str(tmp_path), "own_sequential")
+    assert "layouts keep 1 replicas" in output
+    for rank in range(2):
+        run = json.loads((tmp_path / f"own_sequential_rank{rank}.json").read_text())["own"]
+        assert run["layouts"] == ["2x1", "2x1", "2x1"] and run["global_step"] == 12
+        assert all(seen == list(range(16)) for seen in run["seen"].values())
+
+
+def test_a_float_val_limit_keeps_the_layout_whose_replicas_validate_a_batch(tmp_path):
+    # Lightning would refuse 0.5 of the single validation batch each of two replicas gets.
+    run_workers("loader_kinds_worker.py", 2, str(tmp_path), "val_share")
+    for rank in range(2):
+        report = json.loads((tmp_path / f"val_share_rank{rank}.json").read_text())
+        assert report["layouts"] == ["2x1", "2x1", "2x1"] and report["layout_after_fit"] == "2x1"

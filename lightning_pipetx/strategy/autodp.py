@@ -28,7 +28,15 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from lightning_pipetx.strategy.autopipe import Plan
-from lightning_pipetx.strategy.dataloading import batch_size_to_keep, global_batch_fits, keep_epoch_length, rebatch
+from lightning_pipetx.strategy.dataloading import (
+    DealtLoader,
+    batch_size_to_keep,
+    deal_again,
+    deals_to_replicas,
+    global_batch_fits,
+    keep_epoch_length,
+    rebatch,
+)
 from lightning_pipetx.strategy.engine import PipelineEngine
 from lightning_pipetx.strategy.param_store import ParamStore
 from lightning_pipetx.strategy.topology import Layout
@@ -65,28 +73,55 @@ class AutoDP:
     def __init__(self, keep_global_batch: bool = True) -> None:
         self.keep_global_batch = keep_global_batch
         self.batch0: tuple[int | None, int] | None = None  # the user's batch size, and the replicas it was for
+        self.fixed_replicas: int | None = None  # the training samples cannot be dealt to other replicas
+        self.validation: dict[DealtLoader, float] = {}  # fit's validation loaders, and a float limit_val_batches
         self.moving = False  # blocks are changing hands
+        self.world_size = 1
 
-    def reset(self) -> None:
-        self.batch0, self.moving = None, False
+    def reset(self, world_size: int) -> None:
+        self.batch0, self.fixed_replicas, self.moving, self.world_size = None, None, False, world_size
+        self.validation.clear()
 
     def accepts(self, layout: Layout) -> bool:
-        """Whether ``layout`` keeps the global batch (always, without ``keep_global_batch``)."""
-        return not self.keep_global_batch or global_batch_fits(self.batch0, layout.replicas)
+        """Whether ``layout`` can train the run's samples: they can be dealt to its replicas, it keeps
+        the global batch (``keep_global_batch``), and each replica still validates a batch where a
+        float ``limit_val_batches`` takes a share of its loader (Lightning refuses a share of none)."""
+        replicas = layout.replicas
+        if self.fixed_replicas not in (None, replicas):
+            return False
+        if any(int(loader.batches(replicas) * limit) < 1 for loader, limit in self.validation.items()):
+            return False
+        return not self.keep_global_batch or global_batch_fits(self.batch0, replicas)
 
-    def reshard(self, dataloader: DataLoader, replicas: int) -> DataLoader:
-        """The training loader for ``replicas`` replicas (Lightning's sampler shards it by replica)."""
+    def reshard(self, dataloader: DataLoader, replicas: int, rank: int) -> DataLoader:
+        """The training loader for replica ``rank`` of ``replicas``."""
         if self.batch0 is None:
             self.batch0 = (batch_size_to_keep(dataloader), replicas)
-            if self.keep_global_batch and self.batch0[0] is None:
+            if not deals_to_replicas(dataloader):
+                self.fixed_replicas = replicas
+            if self.fixed_replicas is not None and self.world_size > replicas:
                 log.info(
-                    "pipetx: the training DataLoader cannot be re-batched (a batch_sampler or an IterableDataset): "
-                    "layouts keep %d replicas, so that the global batch stays yours; keep_global_batch=False lifts this",
+                    "pipetx: the training DataLoader's samples are not dealt to the replicas by a DistributedSampler "
+                    "(a sampler of yours, or an IterableDataset): layouts keep %d replicas, as more would train the "
+                    "same samples; a map-style dataset with Lightning's sampler (use_distributed_sampler=True) lifts this",
                     replicas,
                 )
+            elif self.keep_global_batch and self.batch0[0] is None:
+                log.info(
+                    "pipetx: the training DataLoader cannot be re-batched (a batch_sampler): layouts keep %d "
+                    "replicas, so that the global batch stays yours; keep_global_batch=False lifts this",
+                    replicas,
+                )
+        dataloader = deal_again(dataloader, replicas, rank)
         if not self.keep_global_batch or replicas == self.batch0[1]:
             return dataloader
         return keep_epoch_length(rebatch(dataloader, self.batch0, replicas), self.batch0)
+
+    def note_validation(self, dataloader: DataLoader, limit: float | int) -> None:
+        """Record one of fit's validation loaders, where ``limit`` (``limit_val_batches``) is a share."""
+        loader = DealtLoader.of(dataloader)
+        if isinstance(limit, float) and 0.0 < limit < 1.0 and loader is not None:
+            self.validation[loader] = limit
 
     def transition(
         self,

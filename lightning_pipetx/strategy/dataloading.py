@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
@@ -21,6 +22,68 @@ def global_batch_fits(batch0: tuple[int | None, int] | None, replicas: int) -> b
     if size is None:
         return replicas == replicas0
     return (size * replicas0) % replicas == 0
+
+
+def deals_to_replicas(loader: DataLoader) -> bool:
+    """Whether a ``DistributedSampler`` deals ``loader``'s samples to the replicas (Lightning's, the
+    wrapper it puts around a sampler of the user's, or one of the user's), so that they can be
+    dealt to another number of replicas. Another sampler of the user's
+    (``use_distributed_sampler=False``), or an ``IterableDataset``, gives each replica what it
+    gives on any number of them: more replicas would train the same samples more than once."""
+    if isinstance(loader.dataset, IterableDataset):
+        return False
+    return isinstance(_distributed_sampler(loader), DistributedSampler)
+
+
+def deal_again(loader: DataLoader, replicas: int, rank: int) -> DataLoader:
+    """``loader`` with a ``DistributedSampler`` of the user's that deals to other replicas (built
+    from ``trainer.strategy.distributed_sampler_kwargs`` of the run's first layout) dealing to
+    replica ``rank`` of ``replicas``, as Lightning deals its own sampler again when it rebuilds."""
+    sampler = _distributed_sampler(loader)
+    if sampler is None or (sampler.num_replicas, sampler.rank) == (replicas, rank):
+        return loader
+    dealt = copy.copy(sampler)
+    dealt.num_replicas, dealt.rank = replicas, rank
+    dealt.num_samples = share_length(len(sampler.dataset), replicas, sampler.drop_last)
+    dealt.total_size = dealt.num_samples * replicas
+    if loader.sampler is sampler:
+        return like(loader, sampler=dealt)
+    batches = copy.copy(loader.batch_sampler)
+    batches.sampler = dealt
+    return DataLoader(loader.dataset, batch_sampler=batches, **_loading_kwargs(loader))
+
+
+def share_length(samples: int, replicas: int, drop_last: bool) -> int:
+    """The samples ``DistributedSampler`` deals each of ``replicas``: shares cut or padded to one length."""
+    return samples // replicas if drop_last else math.ceil(samples / replicas)
+
+
+def _distributed_sampler(loader: DataLoader) -> DistributedSampler | None:
+    for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+        if isinstance(sampler, DistributedSampler):
+            return sampler
+    return None
+
+
+@dataclass(frozen=True)
+class DealtLoader:
+    """What sets the number of batches a loader dealt by a ``DistributedSampler`` gives a replica."""
+
+    samples: int
+    batch_size: int
+    sampler_drop_last: bool
+    drop_last: bool
+
+    @classmethod
+    def of(cls, loader: DataLoader) -> DealtLoader | None:
+        sampler = loader.sampler
+        if not isinstance(sampler, DistributedSampler) or loader.batch_size is None:
+            return None
+        return cls(len(sampler.dataset), loader.batch_size, sampler.drop_last, loader.drop_last)
+
+    def batches(self, replicas: int) -> int:
+        share = share_length(self.samples, replicas, self.sampler_drop_last)
+        return share // self.batch_size if self.drop_last else math.ceil(share / self.batch_size)
 
 
 def batch_size_to_keep(loader: DataLoader) -> int | None:
@@ -80,7 +143,7 @@ def cut_shares(sampler: DistributedSampler) -> DistributedSampler:
     these attributes; the share kept is the start of each padded share, in the same order."""
     cut = copy.copy(sampler)
     cut.drop_last = True
-    cut.num_samples = len(sampler.dataset) // sampler.num_replicas
+    cut.num_samples = share_length(len(sampler.dataset), sampler.num_replicas, drop_last=True)
     cut.total_size = cut.num_samples * sampler.num_replicas
     return cut
 

@@ -209,6 +209,9 @@ class ElasticPipelineStrategy(DDPStrategy):
     # -------------------------------------------------------------- layout
     @property
     def layout(self) -> Layout:
+        """The running layout; after a run, the one it ended with."""
+        if self.engine is None and self._last_run.plan is not None:
+            return self._last_run.plan.layout
         return self._require_engine().layout
 
     @property
@@ -286,7 +289,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._split = find_blocks(self.lightning_module, self.blocks)
         self._store = ParamStore(self._split.blocks)
         self._frozen = 0
-        self._autodp.reset()
+        self._autodp.reset(self.world_size)
         self._autocache.begin_fit()
         self._run_token = self.broadcast(uuid.uuid4().hex[:12] if self.is_global_zero else None)
         self._private_sites = False
@@ -431,8 +434,9 @@ class ElasticPipelineStrategy(DDPStrategy):
         if not trainer.training:
             if trainer.state.fn != TrainerFn.FITTING:
                 return dataloader
+            self._autodp.note_validation(dataloader, trainer.limit_val_batches)
             return self._cache_feed.validation_loader(dataloader, self._cache_site(layout, dataloader))
-        dataloader = self._autodp.reshard(dataloader, layout.replicas)
+        dataloader = self._autodp.reshard(dataloader, layout.replicas, layout.coords(self.global_rank)[0])
         if self._stable_shards():
             dataloader = stable_shards(dataloader)
         dataloader, opened = self._cache_feed.training_loader(dataloader, self._cache_site(layout, dataloader))

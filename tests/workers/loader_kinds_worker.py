@@ -7,6 +7,8 @@ global batch cannot be kept over 2 replicas, so the 2x1 pipeline must stay 2x1 a
 Every rank writes OUT_DIR/<KIND>_rank<N>.json: the layout each epoch and the frozen blocks.
 ``combined_hook`` and ``combined_given``: a CombinedLoader from ``train_dataloader`` or given to
 fit, which goes 2x1 -> 1x2; the report has the samples each epoch trained on this rank.
+``own_distributed`` and ``own_sequential``: a sampler of the user's (see :class:`OwnSampler`).
+``val_share``: a float ``limit_val_batches`` that 2 replicas would take no batch of.
 """
 
 import json
@@ -17,7 +19,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import CombinedLoader
 from tiny_models import Layouts, RandomVectorDataset, TinySequentialRegressor, make_trainer
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler, Subset
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, SequentialSampler, Subset
 from worker_exit import run_worker
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
@@ -115,10 +117,86 @@ def combined(out_dir: str, kind: str) -> None:
         json.dump(report, handle)
 
 
+class OwnSampler(TinySequentialRegressor):
+    """Shards the data itself (``use_distributed_sampler=False``): with a DistributedSampler built
+    from ``trainer.strategy.distributed_sampler_kwargs`` (``own_distributed``), what Lightning's
+    sampler would do, or with none (``own_sequential``): every replica reads every sample.
+    Records the samples each epoch trained on."""
+
+    def __init__(self, distributed):
+        super().__init__(seed=0, dropout=0.0)
+        self.distributed = distributed
+        self.seen = {}
+
+    def train_dataloader(self):
+        samples = IndexedVectors(size=16)
+        if not self.distributed:
+            return DataLoader(samples, batch_size=4)
+        kwargs = self.trainer.strategy.distributed_sampler_kwargs
+        return DataLoader(samples, batch_size=4, sampler=DistributedSampler(samples, shuffle=True, seed=0, **kwargs))
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        self.seen.setdefault(self.current_epoch, []).extend(index.tolist())  # on every stage: before the model call
+        return super().training_step((x, y), batch_idx)
+
+
+def own_sampler(out_dir: str, kind: str) -> None:
+    """``own_distributed`` also trains with Lightning's sampler: the weights must be the same."""
+    report = {}
+    runs = {"own": False, "lightning": True} if kind == "own_distributed" else {"own": False}
+    for run, lightning_sampler in runs.items():
+        module = OwnSampler(distributed=kind == "own_distributed")
+        if lightning_sampler:
+            module.train_dataloader = lambda: DataLoader(IndexedVectors(size=16), batch_size=4, shuffle=True)
+        layouts = Layouts()
+        strategy = ElasticPipelineStrategy(pipeline_length=2, num_microbatches=2, profile_steps=0, cache=False)
+        trainer = make_trainer(
+            [FreezeCallback(alpha=0.5, signal="schedule"), layouts],
+            devices=2,
+            strategy=strategy,
+            use_distributed_sampler=lightning_sampler,
+        )
+        trainer.fit(module)
+        report[run] = {
+            "layouts": layouts.layouts,
+            "seen": {epoch: sorted(seen) for epoch, seen in module.seen.items()},
+            "global_step": trainer.global_step,
+            "weights": {k: v.tolist() for k, v in module.state_dict().items()},
+        }
+    with open(os.path.join(out_dir, f"{kind}_rank{trainer.global_rank}.json"), "w") as handle:
+        json.dump(report, handle)
+
+
+def val_share(out_dir: str) -> None:
+    """``limit_val_batches=0.5`` of 8 validation samples in batches of 4: one replica checks 1 of its
+    2 batches, each of two would check half of 1, which Lightning refuses."""
+    layouts = Layouts()
+    strategy = ElasticPipelineStrategy(pipeline_length=2, num_microbatches=2, profile_steps=0, cache=False)
+    trainer = make_trainer(
+        [FreezeCallback(alpha=0.5, signal="schedule"), layouts], devices=2, strategy=strategy, limit_val_batches=0.5
+    )
+    samples = RandomVectorDataset(size=16)
+    trainer.fit(
+        TinySequentialRegressor(seed=0, dropout=0.0),
+        DataLoader(samples, batch_size=4),
+        DataLoader(Subset(samples, range(8)), batch_size=4),
+    )
+    report = {"layouts": layouts.layouts, "layout_after_fit": str(trainer.strategy.layout)}
+    with open(os.path.join(out_dir, f"val_share_rank{trainer.global_rank}.json"), "w") as handle:
+        json.dump(report, handle)
+
+
 def main():
     out_dir, kind = sys.argv[1], sys.argv[2]
     if kind == "per_rank_subset":
         per_rank_subsets(out_dir)
+        return
+    if kind.startswith("own_"):
+        own_sampler(out_dir, kind)
+        return
+    if kind == "val_share":
+        val_share(out_dir)
         return
     if kind.startswith("combined"):
         combined(out_dir, kind)
