@@ -113,6 +113,25 @@ def test_an_exception_on_every_rank_leaves_the_whole_model_on_every_rank(excepti
             "after a fit that stopped on an error" in report["full_save"] and "weights_only=True" in report["full_save"]
         )
     assert not (tmp_path / "refused.ckpt").exists()
+    # Lightning's OnExceptionCheckpoint saved the whole model as the run stopped on every rank.
+    caught = torch.load(tmp_path / "on_exception.ckpt", weights_only=True)["state_dict"]
+    assert caught.keys() == weights[0].keys()
+    for name, value in weights[0].items():
+        torch.testing.assert_close(caught[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_a_checkpoint_on_an_exception_that_one_rank_raised_is_refused_instead_of_hanging(tmp_path):
+    # OnExceptionCheckpoint saves before the strategy hears of the exception, on the rank that raised
+    # it (the last stage, after the model call) while the other waits for it inside the pipeline.
+    start = time.monotonic()
+    output = run_workers(
+        "outputs_worker.py", 2, str(tmp_path), "fail_one_checkpointed", expect_failure=True, timeout=240
+    )
+    assert time.monotonic() - start < 200
+    assert "[rank0] fit failed: CheckpointAfterFailureError: pipetx: trainer.save_checkpoint as the run stops" in output
+    assert "the user's step failed on one rank" in output
+    assert "global rank 0 could not get the blocks it does not run back" in output  # the strategy's teardown ran
+    assert not list(tmp_path.glob("on_exception*.ckpt"))
 
 
 def test_an_exception_on_one_rank_ends_every_rank_and_says_what_the_model_lacks(tmp_path):

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch.distributed import ReduceOp
 from torch.distributed.constants import default_pg_timeout
 from torch.utils.data import DataLoader
@@ -31,7 +31,13 @@ from lightning_pipetx.strategy.checkpoint import (
 )
 from lightning_pipetx.strategy.dataloading import shards_one_index_space, stable_shards
 from lightning_pipetx.strategy.engine import PipelineEngine
-from lightning_pipetx.strategy.failure import FailureAgreement, explain_training_outputs, restore_after_failure
+from lightning_pipetx.strategy.failure import (
+    CheckpointAfterFailureError,
+    FailureAgreement,
+    agree_to_checkpoint_after_failure,
+    explain_training_outputs,
+    restore_after_failure,
+)
 from lightning_pipetx.strategy.host_memory import reuse_for_training
 from lightning_pipetx.strategy.lightning_compat import (
     LoaderRebuild,
@@ -726,6 +732,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         if self._plan_after_run() is not None:  # every rank holds every block
             return self.lightning_module.state_dict()
         engine = self._require_engine()
+        if self.lightning_module.trainer.state.status == TrainerStatus.INTERRUPTED:
+            self._agree_to_checkpoint_after_failure(engine)
         if engine.profiling_done:  # a checkpoint before the first freeze keeps the measured costs for a resume
             self._take_profile(engine)
         engine.share_updated_params(self.optimizers)
@@ -738,6 +746,15 @@ class ElasticPipelineStrategy(DDPStrategy):
         state.update(gathered)
         self._store.lend(state, prefix)  # until save_checkpoint: on_save_checkpoint reads the whole model
         return state
+
+    def _agree_to_checkpoint_after_failure(self, engine: PipelineEngine) -> None:
+        try:
+            agree_to_checkpoint_after_failure(engine, self._agreement, self._autodp.moving)
+        except CheckpointAfterFailureError as error:
+            # Raised in a callback's on_exception, it makes Lightning skip the strategy's hooks that follow.
+            self.on_exception(error)
+            self.teardown()
+            raise
 
     # ----------------------------------------------------------- teardown
     def on_exception(self, exception: BaseException) -> None:

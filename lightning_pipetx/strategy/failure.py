@@ -30,6 +30,10 @@ log = logging.getLogger("lightning_pipetx")
 AGREEMENT_SECONDS = 30.0
 
 
+class CheckpointAfterFailureError(RuntimeError):
+    """A checkpoint asked for as the run stops on an exception that not every rank raised."""
+
+
 class FailureAgreement:
     """A gloo group over the world, for agreeing after an exception."""
 
@@ -37,16 +41,20 @@ class FailureAgreement:
         self.world_size = world_size
         self.group = dist.new_group(backend="gloo", timeout=timeout) if world_size > 1 else None
         self.window = timedelta(seconds=min(AGREEMENT_SECONDS, timeout.total_seconds() / 3))
+        self.broken = False  # an agreement timed out: the group is out of step for good
 
     def every_rank_failed(self, state: int) -> bool:
         """True when every rank calls this within the window with the same ``state``."""
         if self.group is None:
             return True
+        if self.broken:
+            return False
         mine = torch.tensor([state], dtype=torch.int64)
         gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
         try:
             dist.all_gather(gathered, mine, group=self.group, async_op=True).wait(self.window)
         except RuntimeError:  # a peer is busy elsewhere, or gone
+            self.broken = True
             return False
         return all(int(value) == state for value in gathered)
 
@@ -81,8 +89,7 @@ def restore_after_failure(
     stopped alike (the same layout, no transition under way; returns True), else log what this
     rank lacks."""
     engine.close(restore_weights=False, destroy_groups=False)  # the training groups may be out of step
-    plan = f"{engine.plan.layout} {engine.plan.bounds}"
-    state = -1 if moving else zlib.crc32(plan.encode())
+    state = _stopped_state(engine, moving)
     if state >= 0 and agreement is not None and agreement.every_rank_failed(state):
         engine.restore_after_failure(agreement.group)
         agreement.close()
@@ -90,6 +97,27 @@ def restore_after_failure(
     if store.released_blocks():
         log_incomplete_model(rank, store.released_blocks(), path)
     return False
+
+
+def agree_to_checkpoint_after_failure(engine: PipelineEngine, agreement: FailureAgreement | None, moving: bool) -> None:
+    """Before the collectives of a checkpoint taken as the run stops on an exception (Lightning's
+    ``OnExceptionCheckpoint``, which saves before the strategy hears of it): go on only where every
+    rank stopped alike, else raise instead of waiting for peers that are still training."""
+    state = _stopped_state(engine, moving)
+    if state >= 0 and (agreement is None or agreement.every_rank_failed(state)):
+        return
+    raise CheckpointAfterFailureError(
+        "pipetx: trainer.save_checkpoint as the run stops on an exception that not every rank raised: the other "
+        "ranks still train and wait for this one, so the blocks they hold cannot be gathered and no checkpoint "
+        "is written. Under a pipeline, the code after the model call in training_step runs (and raises) on the "
+        "last stage only. Resume from the last checkpoint ModelCheckpoint saved."
+    )
+
+
+def _stopped_state(engine: PipelineEngine, moving: bool) -> int:
+    """What the ranks compare to agree that they stopped alike: the plan, or -1 during a transition."""
+    plan = f"{engine.plan.layout} {engine.plan.bounds}"
+    return -1 if moving else zlib.crc32(plan.encode())
 
 
 def _raised_in_communication(exception: BaseException) -> bool:

@@ -20,7 +20,7 @@ from datetime import timedelta
 import lightning.pytorch as pl
 import torch
 import torchmetrics
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, OnExceptionCheckpoint
 from tiny_models import NUM_LABELS, RandomTokenDataset, tiny_bert
 from torch.utils.data import DataLoader
 from worker_exit import run_worker
@@ -134,7 +134,7 @@ class LogShareCount(Callback):
 
 
 def trainer_for(devices, timeout=60, **kwargs):
-    return pl.Trainer(
+    options = dict(
         accelerator="cpu",
         devices=devices,
         strategy=ElasticPipelineStrategy(pipeline_length=2, num_microbatches=2, timeout=timedelta(seconds=timeout)),
@@ -143,8 +143,13 @@ def trainer_for(devices, timeout=60, **kwargs):
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        **kwargs,
     )
+    return pl.Trainer(**{**options, **kwargs})
+
+
+def checkpointed_on_exception(out_dir):
+    """Trainer options for Lightning's OnExceptionCheckpoint (and its default ModelCheckpoint) in ``out_dir``."""
+    return dict(enable_checkpointing=True, default_root_dir=out_dir)
 
 
 def everywhere(report):
@@ -216,7 +221,10 @@ def main():
     elif mode == "fail_all":
         exception = {"ValueError": ValueError, "KeyboardInterrupt": KeyboardInterrupt}[sys.argv[3]]
         model = CollectedLosses()
-        trainer = trainer_for(2, max_epochs=2, callbacks=[RaiseAtEpochEnd(exception)])
+        on_exception = OnExceptionCheckpoint(out_dir, filename="on_exception")
+        trainer = trainer_for(
+            2, max_epochs=2, callbacks=[RaiseAtEpochEnd(exception), on_exception], **checkpointed_on_exception(out_dir)
+        )
         try:
             trainer.fit(model, loader(16, 4, 1))
         except (ValueError, SystemExit) as error:  # Lightning exits after a KeyboardInterrupt
@@ -227,6 +235,16 @@ def main():
             trainer.save_checkpoint(os.path.join(out_dir, "refused.ckpt"))
         except RuntimeError as error:
             report["full_save"] = str(error)
+    elif mode == "fail_one_checkpointed":  # Lightning's OnExceptionCheckpoint saves before the strategy hears of it
+        on_exception = OnExceptionCheckpoint(out_dir, filename="on_exception")
+        try:
+            trainer = trainer_for(
+                2, timeout=45, max_epochs=1, callbacks=[on_exception], **checkpointed_on_exception(out_dir)
+            )
+            trainer.fit(FailingLastStage(), loader(32, 4, 1))
+        except BaseException as error:
+            print(f"[rank{rank}] fit failed: {type(error).__name__}: {error}", flush=True)
+            raise
     elif mode == "fail_one":
         trainer = trainer_for(2, timeout=45, max_epochs=1)
         try:
