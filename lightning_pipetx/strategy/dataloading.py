@@ -32,7 +32,7 @@ def deals_to_replicas(loader: DataLoader) -> bool:
     gives on any number of them: more replicas would train the same samples more than once."""
     if isinstance(loader.dataset, IterableDataset):
         return False
-    return isinstance(_distributed_sampler(loader), DistributedSampler)
+    return _distributed_sampler(loader) is not None
 
 
 def deal_again(loader: DataLoader, replicas: int, rank: int) -> DataLoader:
@@ -42,10 +42,7 @@ def deal_again(loader: DataLoader, replicas: int, rank: int) -> DataLoader:
     sampler = _distributed_sampler(loader)
     if sampler is None or (sampler.num_replicas, sampler.rank) == (replicas, rank):
         return loader
-    dealt = copy.copy(sampler)
-    dealt.num_replicas, dealt.rank = replicas, rank
-    dealt.num_samples = share_length(len(sampler.dataset), replicas, sampler.drop_last)
-    dealt.total_size = dealt.num_samples * replicas
+    dealt = _dealing(sampler, replicas, rank, sampler.drop_last)
     if loader.sampler is sampler:
         return like(loader, sampler=dealt)
     batches = copy.copy(loader.batch_sampler)
@@ -141,11 +138,17 @@ def cut_shares(sampler: DistributedSampler) -> DistributedSampler:
     one length rather than padded: what ``drop_last=True`` sets up in ``DistributedSampler``, whose
     ``__iter__`` deals the first ``total_size`` indices. A subclass is cut as far as it deals through
     these attributes; the share kept is the start of each padded share, in the same order."""
-    cut = copy.copy(sampler)
-    cut.drop_last = True
-    cut.num_samples = share_length(len(sampler.dataset), sampler.num_replicas, drop_last=True)
-    cut.total_size = cut.num_samples * sampler.num_replicas
-    return cut
+    return _dealing(sampler, sampler.num_replicas, sampler.rank, drop_last=True)
+
+
+def _dealing(sampler: DistributedSampler, replicas: int, rank: int, drop_last: bool) -> DistributedSampler:
+    """A copy of ``sampler`` (its class, seed and what it wraps) dealing to replica ``rank`` of
+    ``replicas``, its shares cut (``drop_last``) or padded to one length, as its ``__init__`` sets up."""
+    dealt = copy.copy(sampler)
+    dealt.num_replicas, dealt.rank, dealt.drop_last = replicas, rank, drop_last
+    dealt.num_samples = share_length(len(sampler.dataset), replicas, drop_last)
+    dealt.total_size = dealt.num_samples * replicas
+    return dealt
 
 
 def like(loader: DataLoader, batch_size: int | None = None, sampler: Any = None) -> DataLoader:
