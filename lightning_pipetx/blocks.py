@@ -49,6 +49,9 @@ class BlockSplit:
             do not count as ``pre``.
         post_modules: ``(name, module)`` pairs of ``pre`` without weights that the forward
             calls only after the last block (a head's dropout); they do not count as ``pre``.
+        pre_modules: ``(name, module)`` pairs of ``post`` without weights that the forward calls
+            only before block 0 (an embedding dropout registered after the blocks); they freeze
+            with the prefix.
     """
 
     root: nn.Module
@@ -60,6 +63,7 @@ class BlockSplit:
     pre_by_use: tuple[tuple[str, nn.Parameter], ...] = ()
     post_by_use: tuple[tuple[str, nn.Parameter], ...] = ()
     post_modules: tuple[tuple[str, nn.Module], ...] = ()
+    pre_modules: tuple[tuple[str, nn.Module], ...] = ()
 
     def __repr__(self) -> str:
         names = lambda pairs: [name for name, _ in pairs]  # noqa: E731
@@ -106,6 +110,12 @@ class BlockSplit:
         modules = dict(self.root.named_modules())
         return replace(self, post_modules=tuple((name, modules[name]) for name in names))
 
+    def with_pre_modules(self, names: list[str]) -> BlockSplit:
+        """This split with the modules ``names`` of ``post`` (without weights, called only before
+        block 0) counted in the frozen prefix."""
+        modules = dict(self.root.named_modules())
+        return replace(self, pre_modules=tuple((name, modules[name]) for name in names))
+
     def block_parameters(self, index: int) -> Iterator[nn.Parameter]:
         return self.blocks[index].parameters()
 
@@ -113,7 +123,8 @@ class BlockSplit:
         """``pre`` modules and blocks ``[0, num_frozen)``: what freezing ``num_frozen`` blocks covers."""
         if num_frozen <= 0:
             return []
-        return [m for _, m in self.pre if self.runs_before_blocks(m)] + [self.blocks[i] for i in range(num_frozen)]
+        pre = [m for _, m in self.pre if self.runs_before_blocks(m)] + [m for _, m in self.pre_modules]
+        return pre + [self.blocks[i] for i in range(num_frozen)]
 
     def runs_before_blocks(self, module: nn.Module) -> bool:
         """Whether ``module`` (of ``pre``) has a weight not found to feed no block, or has no weights

@@ -15,10 +15,12 @@ rank, is ``pre``. Reads the trace cannot place (a LightningModule's own code bef
 first module) count as after the blocks: a weight is never moved on doubtful evidence, it only
 keeps training.
 
-Modules of ``pre`` without weights (a dropout) are placed by their calls: one the step called
-only after the last block (the classifier's dropout XLM-R's token classifier registers before
-``self.roberta``) is not part of the prefix, and keeps its training mode when the prefix
-freezes (:meth:`PreTrace.post_modules`). One called between or inside blocks stays in it.
+Modules without weights (a dropout) next to the block list are placed by their calls: one of
+``pre`` the step called only after the last block (the classifier's dropout XLM-R's token
+classifier registers before ``self.roberta``) is not part of the prefix, and keeps its training
+mode when the prefix freezes (:meth:`PreTrace.post_modules`); one called between or inside blocks
+stays in it. One of ``post`` called only before block 0 (the embedding dropout Phi registers after
+its layers) is part of the prefix, and stops dropping when it freezes (:meth:`PreTrace.pre_modules`).
 
 The other way round, a trainable weight registered before the block list that no block's input
 is computed from (a head assigned before the backbone, as XLM-R's classifier is, or a weight of
@@ -38,6 +40,7 @@ from torch.utils._pytree import tree_flatten
 from lightning_pipetx.blocks import BlockSplit
 
 _BEFORE, _INSIDE, _AFTER, _UNPLACED = 0, 1, 2, 3
+_CALL_COLUMN = {_BEFORE: 0, _INSIDE: 1, _UNPLACED: 1, _AFTER: 2}  # a call the trace cannot place is "inside"
 
 
 def _graph_leaves(values: list[Any], seen: set[Any]) -> set[int]:
@@ -93,9 +96,12 @@ class PreTrace:
         # per pre weight: whether a block's input was computed from it, and whether the step read it
         self.feeds_blocks = torch.zeros(len(self.pre_names_registered), dtype=torch.bool)
         self.pre_reads = torch.zeros(len(self.pre_names_registered), dtype=torch.bool)
-        # pre modules without weights: whether the step called each after the blocks, and elsewhere
-        self.module_names = [name for name, module in split.pre if next(module.parameters(), None) is None]
-        self.module_calls = torch.zeros(len(self.module_names), 2, dtype=torch.bool)
+        # modules without weights of pre, then of post: whether the step called each before the
+        # blocks, between or inside them (or where the trace cannot place it), and after them
+        self._pre_weightless = [name for name, module in split.pre if next(module.parameters(), None) is None]
+        self._post_weightless = [name for name, module in split.post if next(module.parameters(), None) is None]
+        self.module_names = self._pre_weightless + self._post_weightless
+        self.module_calls = torch.zeros(len(self.module_names), 3, dtype=torch.bool)
         self._walked: set[Any] = set()
         self._phase = _UNPLACED
         self._mode: _ReadRecorder | None = None
@@ -120,7 +126,7 @@ class PreTrace:
 
     def _record_call(self, index: int) -> Any:
         def hook(*_: Any) -> None:
-            self.module_calls[index, 0 if self._phase == _AFTER else 1] = True
+            self.module_calls[index, _CALL_COLUMN[self._phase]] = True
 
         return hook
 
@@ -182,5 +188,18 @@ class PreTrace:
     def post_modules(self, calls: torch.Tensor | None = None) -> list[str]:
         """Modules of ``pre`` without weights that the step called, and only after the last block,
         by ``calls``: :attr:`module_calls` (this trace's, or every rank's by a maximum)."""
+        return self._called_only(2, self._pre_weightless, calls)
+
+    def pre_modules(self, calls: torch.Tensor | None = None) -> list[str]:
+        """Modules of ``post`` without weights that the step called, and only before block 0, by
+        ``calls`` (as for :meth:`post_modules`)."""
+        return self._called_only(0, self._post_weightless, calls)
+
+    def _called_only(self, column: int, names: list[str], calls: torch.Tensor | None) -> list[str]:
         calls = self.module_calls if calls is None else calls > 0
-        return [name for name, (late, elsewhere) in zip(self.module_names, calls.tolist()) if late and not elsewhere]
+        wanted = set(names)
+        return [
+            name
+            for name, row in zip(self.module_names, calls.tolist())
+            if name in wanted and row[column] and sum(row) == 1
+        ]

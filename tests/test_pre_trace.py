@@ -292,6 +292,87 @@ def test_a_dropout_registered_before_the_blocks_but_called_after_them_keeps_trai
     assert [name for name, _ in resumed.split.post_modules] == ["head_drop"]
 
 
+class DropoutsAfterTheBlocks(pl.LightningModule):
+    """A model that registers two dropouts after its block list: one applied to the blocks' input
+    (as Phi's embedding dropout), one in the head."""
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Linear(8, 16)
+            self.blocks = torch.nn.Sequential(*[tm.ResidualMLPBlock(16, dropout=0.0) for _ in range(4)])
+            self.head = torch.nn.Linear(16, 2)
+            self.input_drop, self.head_drop = torch.nn.Dropout(0.1), torch.nn.Dropout(0.1)
+
+        def forward(self, x):
+            return self.head(self.head_drop(self.blocks(self.input_drop(self.embed(x)))))
+
+    def __init__(self):
+        super().__init__()
+        self.model = tm._seeded(0, self.Net)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.model(x), y)
+
+    configure_optimizers = DropoutsAroundTheBlocks.configure_optimizers
+
+
+def test_a_dropout_registered_after_the_blocks_but_called_before_them_freezes_with_the_prefix():
+    module, freeze = DropoutsAfterTheBlocks(), FreezeCallback(alpha=1 / 3, signal="schedule")
+    modes = TrainingModes("model.input_drop", "model.head_drop", "model.blocks.0")
+    tm.make_trainer([freeze, modes], max_epochs=3).fit(module, tm.task_loader("sequential", size=16, batch_size=4))
+    assert [name for name, _ in freeze.split.post] == ["model.head", "model.input_drop", "model.head_drop"]
+    assert modes.modes == [[True, True, True], [False, True, False], [False, True, False]]
+    state = freeze.state_dict()
+    assert state["pre_modules"] == ["model.input_drop"] and state["post_modules"] == []
+    resumed = FreezeCallback()
+    resumed._split = find_blocks(DropoutsAfterTheBlocks())
+    resumed.load_state_dict(state)
+    assert [name for name, _ in resumed.split.pre_modules] == ["model.input_drop"]
+
+
+class TinyPhiLM(tm.TinyGPT2LM):
+    """A tiny HF Phi with its embedding dropout on: Phi registers ``embed_dropout`` after its layers."""
+
+    def __init__(self):
+        from transformers import PhiConfig, PhiForCausalLM
+
+        pl.LightningModule.__init__(self)
+        self.save_hyperparameters({"lr": 1e-3})
+        config = PhiConfig(
+            vocab_size=tm.VOCAB,
+            hidden_size=tm.HIDDEN,
+            intermediate_size=tm.INTERMEDIATE,
+            num_hidden_layers=tm.LAYERS,
+            num_attention_heads=tm.HEADS,
+            max_position_embeddings=tm.MAX_POSITIONS,
+            embd_pdrop=0.1,
+            resid_pdrop=0.0,
+            attention_dropout=0.0,
+            attn_implementation="eager",
+        )
+        self.model = tm._seeded(0, lambda: PhiForCausalLM(config))
+
+
+@pytest.mark.parametrize("cache", [True, "auto"])
+def test_phis_embedding_dropout_stops_with_the_frozen_prefix_and_the_cache_serves_it_exactly(cache):
+    def fit(cache):
+        pl.seed_everything(0, verbose=False)
+        module, freeze, rates = TinyPhiLM(), FreezeCallback(alpha=1 / 2, signal="schedule"), tm.HitRates()
+        modes = TrainingModes("model.model.embed_dropout")
+        trainer = tm.make_trainer([freeze, rates, modes], max_epochs=4, strategy=ElasticPipelineStrategy(cache=cache))
+        trainer.fit(module, tm.task_loader("bert", size=16, batch_size=4))
+        return module.state_dict(), rates.rates, modes.modes, freeze.state_dict().get("pre_modules")
+
+    reference, _, modes, found = fit(False)
+    assert modes == [[True], [False], [False], [False]]
+    state, rates, _, _ = fit(cache)
+    assert rates[-1] == 1.0
+    assert all(torch.equal(state[name], reference[name]) for name in reference)
+    assert "model.model.embed_dropout" in found
+
+
 def test_xlm_roberta_token_classifiers_dropout_keeps_training_as_the_encoder_freezes():
     from transformers import XLMRobertaConfig, XLMRobertaForTokenClassification
 

@@ -22,13 +22,15 @@ class PrefixFindings:
     found, agreed by every rank and kept in checkpoints: weights registered after the blocks
     that the step read only before them (:attr:`pre_weights`: they freeze with the prefix),
     trainable weights registered before the blocks that feed none (:attr:`post_weights`: they
-    train on), and weightless modules registered before the blocks but called after them
-    (:attr:`post_modules`: they keep their mode)."""
+    train on), weightless modules registered before the blocks but called after them
+    (:attr:`post_modules`: they keep their mode), and weightless modules registered after the
+    blocks but called before them (:attr:`pre_modules`: they freeze with the prefix)."""
 
     def __init__(self) -> None:
         self.pre_weights: list[str] | None = None  # None until a step was traced
         self.post_weights: list[str] = []
         self.post_modules: list[str] = []
+        self.pre_modules: list[str] = []
         self._trace: PreTrace | None = None
 
     def applied(self, split: BlockSplit | None) -> BlockSplit | None:
@@ -38,10 +40,12 @@ class PrefixFindings:
             return split
         names = {name for name, _ in split.root.named_parameters()}
         modules = {name for name, _ in split.root.named_modules()}
-        if names.issuperset(self.pre_weights + self.post_weights) and modules.issuperset(self.post_modules):
+        if names.issuperset(self.pre_weights + self.post_weights) and modules.issuperset(
+            self.post_modules + self.pre_modules
+        ):
             split = split.with_pre_weights(self.pre_weights).with_post_weights(self.post_weights)
-            return split.with_post_modules(self.post_modules)
-        self.pre_weights, self.post_weights, self.post_modules = None, [], []
+            return split.with_post_modules(self.post_modules).with_pre_modules(self.pre_modules)
+        self.pre_weights, self.post_weights, self.post_modules, self.pre_modules = None, [], [], []
         return split
 
     def start(self, split: BlockSplit | None) -> None:
@@ -62,7 +66,7 @@ class PrefixFindings:
         seen = all_reduce_max(seen) if trace.pre_names_registered else seen
         self.pre_weights, self.post_weights = trace.pre_names(reads), trace.post_names(seen)
         calls = all_reduce_max(trace.module_calls.to(torch.float64)) if trace.module_names else trace.module_calls
-        self.post_modules = trace.post_modules(calls)
+        self.post_modules, self.pre_modules = trace.post_modules(calls), trace.pre_modules(calls)
         split = self.applied(split)
         self._report(split, trainer.is_global_zero)
         return split
@@ -87,6 +91,11 @@ class PrefixFindings:
                 "pipetx: %s, registered before the blocks but called after them, keep their mode",
                 ", ".join(self.post_modules),
             )
+        if self.pre_modules:
+            log.info(
+                "pipetx: %s, registered after the blocks but called before them, freeze with them",
+                ", ".join(self.pre_modules),
+            )
 
     def abandon(self) -> None:
         """Stop a trace a failed step left running."""
@@ -95,9 +104,15 @@ class PrefixFindings:
             self._trace = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"pre_weights": self.pre_weights, "post_weights": self.post_weights, "post_modules": self.post_modules}
+        return {
+            "pre_weights": self.pre_weights,
+            "post_weights": self.post_weights,
+            "post_modules": self.post_modules,
+            "pre_modules": self.pre_modules,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.pre_weights = state_dict.get("pre_weights")
         self.post_weights = state_dict.get("post_weights") or []
         self.post_modules = state_dict.get("post_modules") or []
+        self.pre_modules = state_dict.get("pre_modules") or []
