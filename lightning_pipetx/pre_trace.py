@@ -26,6 +26,10 @@ The other way round, a trainable weight registered before the block list that no
 is computed from (a head assigned before the backbone, as XLM-R's classifier is, or a weight of
 the LightningModule used in its loss) is not ``pre``: the trace walks the autograd graph of
 every block's inputs and :meth:`PreTrace.post_names` names the ``pre`` weights it never reached.
+
+All of it rests on the blocks' own calls. A model that calls only the members of its blocks (a
+list of lists, as Funnel Transformer's) leaves :attr:`PreTrace.block_called` unset, and then the
+trace has no evidence at all.
 """
 
 from __future__ import annotations
@@ -102,6 +106,7 @@ class PreTrace:
         self._post_weightless = [name for name, module in split.post if next(module.parameters(), None) is None]
         self.module_names = self._pre_weightless + self._post_weightless
         self.module_calls = torch.zeros(len(self.module_names), 3, dtype=torch.bool)
+        self.block_called = torch.zeros(1, dtype=torch.bool)  # whether the step called a block of the list
         self._walked: set[Any] = set()
         self._phase = _UNPLACED
         self._mode: _ReadRecorder | None = None
@@ -130,6 +135,9 @@ class PreTrace:
 
         return hook
 
+    def _record_block_call(self, *_: Any) -> None:
+        self.block_called[0] = True
+
     def _record_block_inputs(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
         for leaf in _graph_leaves(tree_flatten((args, kwargs))[0], self._walked):
             index = self._pre_index.get(leaf)
@@ -140,6 +148,8 @@ class PreTrace:
         if self._mode is not None or self._handles:
             return
         blocks = self.split.blocks
+        for block in blocks:
+            self._handles.append(block.register_forward_pre_hook(self._record_block_call))
         if self._pre_index:
             for block in blocks:
                 self._handles.append(block.register_forward_pre_hook(self._record_block_inputs, with_kwargs=True))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -330,6 +331,44 @@ def test_a_dropout_registered_after_the_blocks_but_called_before_them_freezes_wi
     resumed._split = find_blocks(DropoutsAfterTheBlocks())
     resumed.load_state_dict(state)
     assert [name for name, _ in resumed.split.pre_modules] == ["model.input_drop"]
+
+
+def tiny_funnel(seed: int = 0, dropout: float = 0.1, num_labels: int = tm.NUM_LABELS):
+    """A tiny HF Funnel Transformer: its block list ``funnel.encoder.blocks`` holds lists of layers."""
+    from transformers import FunnelConfig, FunnelForSequenceClassification
+
+    config = FunnelConfig(
+        vocab_size=tm.VOCAB,
+        d_model=tm.HIDDEN,
+        block_sizes=[1, 1, 1, 1],
+        n_head=tm.HEADS,
+        d_head=tm.HIDDEN // tm.HEADS,
+        d_inner=tm.INTERMEDIATE,
+        hidden_dropout=dropout,
+        attention_dropout=dropout,
+        num_labels=num_labels,
+    )
+    return tm._seeded(seed, lambda: FunnelForSequenceClassification(config))
+
+
+class TinyFunnelClassifier(tm.TinyBertClassifier):
+    factory = staticmethod(tiny_funnel)
+
+
+def test_blocks_the_model_never_calls_themselves_leave_the_prefix_as_registered():
+    module, freeze = TinyFunnelClassifier(), FreezeCallback(alpha=1 / 2, signal="schedule")
+    head = module.model.classifier
+    trainer = tm.make_trainer([freeze], max_epochs=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, tm.task_loader("bert", size=16, batch_size=4))
+    head_before = {name: p.detach().clone() for name, p in head.named_parameters()}
+    trainer = tm.make_trainer([freeze], max_epochs=2)
+    trainer.fit(module, tm.task_loader("bert", size=16, batch_size=4))  # an epoch with 2 blocks frozen
+    assert not any(p.requires_grad for p in module.model.funnel.embeddings.parameters())
+    assert all(p.requires_grad and not torch.equal(p, head_before[name]) for name, p in head.named_parameters())
+    assert freeze.frozen_blocks == 3 and freeze.pre_weights == [] and freeze.post_weights == []
+    assert any("called no module of the block list 'model.funnel.encoder.blocks'" in str(w.message) for w in caught)
 
 
 class TinyPhiLM(tm.TinyGPT2LM):

@@ -60,6 +60,15 @@ class PrefixFindings:
             return split
         trace, self._trace = self._trace, None
         trace.stop()
+        if not bool(all_reduce_max(trace.block_called.to(torch.float64))):
+            self.pre_weights, self.post_weights, self.post_modules, self.pre_modules = [], [], [], []
+            rank_zero_warn(
+                f"FreezeCallback: the first training step called no module of the block list {split.path!r} itself "
+                f"(the model calls their members: a list of lists, as Funnel Transformer's), so the step could not "
+                f"show which weights outside it run before the blocks: they freeze by where they are registered. "
+                f"Pass blocks='...' naming a list whose modules the model calls to have them placed by use."
+            )
+            return self.applied(split)
         # A pipeline's first stage never runs the head: combine what every rank saw.
         reads = all_reduce_max(trace.reads.to(torch.float64)) if trace.names else trace.reads
         seen = torch.stack([trace.feeds_blocks, trace.pre_reads]).to(torch.float64)
