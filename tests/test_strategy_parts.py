@@ -617,3 +617,29 @@ def test_a_model_masking_its_input_at_random_is_heard_of_unless_the_mask_is_give
     assert heard == []
     with pytest.raises(UnsupportedRecipeError, match="pass noise= from the batch"):
         refuse_random_input_mask("ViTMAEForPreTraining", "mask_ratio=0.5", 2)
+
+
+def test_a_model_returning_every_block_s_input_as_memory_is_heard_of():
+    # XLNet's mems: on by default in evaluation (use_mems_eval), off in training unless asked for.
+    from transformers import XLNetConfig, XLNetForSequenceClassification
+
+    from lightning_pipetx.strategy.model_checks import CollectedOutputChecks
+
+    config = XLNetConfig(vocab_size=32, d_model=16, n_layer=2, n_head=2, d_inner=32, num_labels=2)
+    model = XLNetForSequenceClassification(config)
+    heard = []
+    checks = CollectedOutputChecks(model, lambda name, what: heard.append((name, what)))
+    checks.install()
+    tokens = torch.randint(0, 32, (2, 6))
+    model.train()
+    model(tokens)
+    assert heard == []
+    model(tokens, use_mems=True)
+    assert heard[0] == ("XLNetForSequenceClassification", "use_mems")
+    heard.clear()
+    model.eval()
+    model(tokens, use_mems=False)
+    assert heard == []
+    model(tokens)
+    checks.remove()
+    assert heard[0] == ("XLNetForSequenceClassification", "use_mems_eval")

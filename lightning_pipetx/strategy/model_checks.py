@@ -25,6 +25,9 @@ from torch import nn
 log = logging.getLogger("lightning_pipetx")
 
 COLLECTED_OUTPUTS = ("output_hidden_states", "output_attentions", "output_router_logits")
+# XLNet returns every block's input as memory for the next segment (mems) where ``use_mems`` is
+# passed, else where its config's switch for the module's mode is on (in evaluation by default).
+MEMORY_SWITCHES = {True: "use_mems_train", False: "use_mems_eval"}
 # The config switch of a model that masks its input at random in training before the blocks and uses
 # the mask after them too (ViT-MAE's ids_restore, in its decoder and loss), and the forward argument
 # that gives the mask's noise instead. wav2vec2's time and feature masks are not checked: they change
@@ -196,6 +199,15 @@ def random_input_mask(module: nn.Module, args: tuple, kwargs: dict[str, Any]) ->
     return None if arguments.get(RANDOM_MASK_NOISE) is not None else f"{RANDOM_MASK_SWITCH}={value:g}"
 
 
+def _memory_asked_for(module: nn.Module, kwargs: dict[str, Any]) -> str | None:
+    """The switch that makes ``module`` return each block's input as memory (XLNet's mems), if on."""
+    asked = kwargs.get("use_mems")
+    if asked is not None:
+        return "use_mems" if asked else None
+    switch = MEMORY_SWITCHES[module.training]
+    return switch if getattr(module.config, switch, False) else None
+
+
 class CollectedOutputChecks:
     """Installs the checks on every Hugging Face and timm model inside ``root``: ``on_request``
     hears of outputs of every block asked for, ``on_random_mask`` of an input masked at random."""
@@ -232,6 +244,9 @@ class CollectedOutputChecks:
         for flag in COLLECTED_OUTPUTS:
             if kwargs.get(flag) or getattr(module.config, flag, False):
                 self.on_request(type(module).__name__, flag)
+        memory = _memory_asked_for(module, kwargs)
+        if memory is not None:
+            self.on_request(type(module).__name__, memory)
         if self.on_random_mask is not None:
             switch = random_input_mask(module, args, kwargs)
             if switch is not None:
