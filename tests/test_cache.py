@@ -767,3 +767,40 @@ def test_a_prefix_whose_output_cannot_be_kept_is_not_cached(cache, caplog):
         trainer.fit(TinySwinV2Classifier(), loader)
     assert freeze.frozen_blocks == 3 and trainer.global_step == 6
     assert "last block returns what cannot be kept" in caplog.text
+
+
+def tiny_roformer(seed: int = 0, dropout: float = 0.0, num_labels: int = tm.NUM_LABELS):
+    """A tiny HF RoFormer: each layer returns its attention probabilities beside the hidden state."""
+    from transformers import RoFormerConfig, RoFormerForSequenceClassification
+
+    config = RoFormerConfig(
+        vocab_size=tm.VOCAB,
+        hidden_size=tm.HIDDEN,
+        num_hidden_layers=tm.LAYERS,
+        num_attention_heads=tm.HEADS,
+        intermediate_size=tm.INTERMEDIATE,
+        max_position_embeddings=tm.MAX_POSITIONS,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        num_labels=num_labels,
+    )
+    return tm._seeded(seed, lambda: RoFormerForSequenceClassification(config))
+
+
+class TinyRoFormerClassifier(tm.TinyBertClassifier):
+    factory = staticmethod(tiny_roformer)
+
+
+@pytest.mark.parametrize("cache", [True, "auto"])
+def test_blocks_returning_more_than_their_hidden_state_are_refused_with_cache_true(cache, tmp_path, caplog):
+    data = tm.RandomTokenDataset(size=16, seed=1)
+    if cache is True:
+        with pytest.raises(ValueError, match=r"cache=True\): the frozen blocks return more than their hidden state"):
+            fit(True, data, tmp_path, epochs=3, module=TinyRoFormerClassifier(dropout=0.0))
+        return
+    uncached, _, _ = fit(False, data, tmp_path, epochs=3, module=TinyRoFormerClassifier(dropout=0.0))
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        cached, rates, _ = fit(cache, data, tmp_path, epochs=3, module=TinyRoFormerClassifier(dropout=0.0))
+    _same(cached, uncached)
+    assert all(rate in (None, 0.0) for rate in rates)
+    assert "attn_implementation='sdpa'" in caplog.text

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from lightning_pipetx.autocache.entries import Depth, EpochCounts, Prefetched
 from lightning_pipetx.autocache.guards import CHANGED_INPUT, CHANGED_PREFIX_INPUT, SERVED_STALE, InputGuard
-from lightning_pipetx.autocache.states import LAYOUT_FIX, RowLayout, unkeepable
+from lightning_pipetx.autocache.states import EXTRA_OUTPUTS, EXTRA_OUTPUTS_FIX, LAYOUT_FIX, STILL_TRAINS, RowLayout
 from lightning_pipetx.autocache.stopwatch import Stopwatch
 from lightning_pipetx.autocache.tiers import (
     TIER_NAMES,
@@ -273,9 +273,11 @@ class AutoCache:
         return states, found.level, found.source[position]
 
     def store(self, indices: torch.Tensor, depth: int, output: Activation) -> None:
-        reason = unkeepable(output)
-        if reason is not None:
-            self.disable(reason)
+        if output.extra_tensors:
+            self.refuse(EXTRA_OUTPUTS, EXTRA_OUTPUTS_FIX)
+            return
+        if output.tensor.requires_grad:  # found mid-run, it switches the cache off whatever cache= says
+            self.disable(STILL_TRAINS)
             return
         hidden, tuple_len = output.tensor, output.tuple_len
         if not self.layout.check(len(indices), tuple(hidden.shape)):

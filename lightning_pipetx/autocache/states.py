@@ -12,29 +12,27 @@ row mixes the samples of its batch, and changes with them), and a change refuses
 
 from __future__ import annotations
 
-from lightning_pipetx.strategy.p2p import Activation
-
 LAYOUT_FIX = (
     "Use batch-first blocks (nn.TransformerEncoderLayer(batch_first=True)) and a batch size that differs from the "
     "other dimensions of the hidden state (the sequence length), or pass cache=False"
 )
 
 
-def unkeepable(output: Activation) -> str | None:
-    """Why a captured output cannot be cached (None: it can, as far as its tensors tell)."""
-    if output.extra_tensors:
-        return (
-            "the frozen blocks pass more than their hidden state on to the next block (T5's position bias): "
-            "only the hidden state can be cached."
-        )
-    if output.tensor.requires_grad:
-        return (
-            "the frozen blocks' output requires a gradient: a weight they use from outside the frozen prefix "
-            "(registered after the blocks, or one FreezeCallback found feeding no block in the first step: its "
-            "post_weights) still trains, so a cached state would go stale and its gradient would be lost. "
-            "Freeze that weight too, or pass cache=False"
-        )
-    return None
+EXTRA_OUTPUTS = (
+    "the frozen blocks return more than their hidden state (T5 passes its position bias on to the next block; "
+    "BLOOM, RoFormer, Swin and Falcon with eager attention return their attention probabilities or another view "
+    "of the hidden state): only the hidden state can be cached"
+)
+EXTRA_OUTPUTS_FIX = (
+    "Where the model has an attention implementation that returns the hidden state alone, choose it "
+    "(attn_implementation='sdpa'); else pass cache=False"
+)
+STILL_TRAINS = (
+    "the frozen blocks' output requires a gradient: a weight they use from outside the frozen prefix "
+    "(registered after the blocks, or one FreezeCallback found feeding no block in the first step: its "
+    "post_weights) still trains, so a cached state would go stale and its gradient would be lost. "
+    "Freeze that weight too, or pass cache=False"
+)
 
 
 class RowLayout:
