@@ -118,6 +118,8 @@ TASK_PRE_POST = {
         ["model.shared", "model.encoder", "model.decoder.embed_tokens"],
         ["model.lm_head", "model.decoder.final_layer_norm", "model.decoder.dropout"],
     ),
+    # RoFormer's rotary position table is registered on the encoder, before its layers.
+    "roformer": (["model.roformer.embeddings", "model.roformer.encoder.embed_positions"], ["model.classifier"]),
 }
 
 

@@ -128,6 +128,24 @@ def tiny_distilbert(seed: int = 0, dropout: float = 0.1, num_labels: int = NUM_L
     return _seeded(seed, lambda: DistilBertForSequenceClassification(config))
 
 
+def tiny_roformer(seed: int = 0, dropout: float = 0.1, num_labels: int = NUM_LABELS):
+    """A tiny HF RoFormer: each layer returns its attention probabilities beside the hidden state."""
+    from transformers import RoFormerConfig, RoFormerForSequenceClassification
+
+    config = RoFormerConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        intermediate_size=INTERMEDIATE,
+        max_position_embeddings=MAX_POSITIONS,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        num_labels=num_labels,
+    )
+    return _seeded(seed, lambda: RoFormerForSequenceClassification(config))
+
+
 def tiny_hf_vit(seed: int = 0, dropout: float = 0.1, num_labels: int = NUM_CLASSES) -> nn.Module:
     from transformers import ViTConfig, ViTForImageClassification
 
@@ -433,6 +451,10 @@ class TinyXLMRobertaClassifier(TinyBertClassifier):
     factory = staticmethod(tiny_xlm_roberta)
 
 
+class TinyRoFormerClassifier(TinyBertClassifier):
+    factory = staticmethod(tiny_roformer)
+
+
 class TinyViTClassifier(pl.LightningModule):
     """An ordinary LightningModule around a tiny timm ``vit_tiny_patch16_224``."""
 
@@ -584,6 +606,7 @@ TASKS: dict[str, TinyTask] = {
     "timm_vit": TinyTask("timm_vit", TinyViTClassifier, RandomImageDataset, "model.blocks"),
     "gpt2": TinyTask("gpt2", TinyGPT2LM, RandomTokenDataset, "model.transformer.h"),
     "t5": TinyTask("t5", TinyT5Seq2Seq, RandomTokenDataset, "model.decoder.block"),
+    "roformer": TinyTask("roformer", TinyRoFormerClassifier, RandomTokenDataset, "model.roformer.encoder.layer"),
     "sequential": TinyTask("sequential", TinySequentialRegressor, RandomVectorDataset, "model.blocks"),
 }
 

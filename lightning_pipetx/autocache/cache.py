@@ -86,6 +86,7 @@ class AutoCache:
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._warned = False
         self.layout = RowLayout()  # whether the hidden states' dimension 0 is the batch
+        self.extras_unread: bool | None = None  # whether nothing reads the prefix output's other elements
 
     # ------------------------------------------------------------------ guards
     @property
@@ -273,7 +274,9 @@ class AutoCache:
         return states, found.level, found.source[position]
 
     def store(self, indices: torch.Tensor, depth: int, output: Activation) -> None:
-        if output.extra_tensors:
+        if output.extra_tensors and not self.extras_unread:
+            if self.extras_unread is None:  # the forward went on on a later stage: kept once one ends here
+                return
             self.refuse(EXTRA_OUTPUTS, EXTRA_OUTPUTS_FIX)
             return
         if output.tensor.requires_grad:  # found mid-run, it switches the cache off whatever cache= says

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from lightning_pipetx.autocache.cache import AutoCache
+from lightning_pipetx.autocache.extra_outputs import ExtraOutputReads
 from lightning_pipetx.autocache.random_streams import random_state_kept
 from lightning_pipetx.strategy.fingerprint import hidden_state_fingerprints, sample_fingerprints
 from lightning_pipetx.strategy.microbatch import _tensors, sample_shapes
@@ -127,11 +128,15 @@ class CachedPrefix:
             hooks.incoming = Activation.of_hidden(states, tuple_len)
             hooks.skip_until = level
         timing: list[object | None] = [None]
+        reads: list[ExtraOutputReads] = []
 
         def captured() -> None:
             cache.watch.stop("compute", timing[0], len(indices) * (depth - level))
             if stop_at_capture:
                 raise StageExit(hooks.captured)
+            if hooks.captured.extra_tensors and cache.extras_unread is None and hooks.is_last_stage:
+                reads.append(ExtraOutputReads(hooks.captured.tensors[1:]))
+                reads[0].start()
 
         hooks.on_uncacheable = self._refuse  # serving or capturing
         if level < depth:
@@ -140,7 +145,12 @@ class CachedPrefix:
             hooks.on_capture = captured
         try:
             yield
+            if reads:  # the forward ended here: whatever read the extra elements has run
+                reads[0].stop()
+                cache.extras_unread = not reads[0].read
         finally:
+            for watch in reads:
+                watch.stop()
             captured_state = hooks.captured
             hooks.skip_until, hooks.capture_at, hooks.captured = 0, -1, None
             hooks.on_first_block = hooks.on_capture = hooks.on_prefix_input = hooks.on_uncacheable = None

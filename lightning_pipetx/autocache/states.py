@@ -19,14 +19,10 @@ LAYOUT_FIX = (
 
 
 EXTRA_OUTPUTS = (
-    "the frozen blocks return more than their hidden state (T5 passes its position bias on to the next block; "
-    "BLOOM, RoFormer, Swin and Falcon with eager attention return their attention probabilities or another view "
-    "of the hidden state): only the hidden state can be cached"
+    "the frozen blocks return more than their hidden state and the model reads the rest (T5 passes its position "
+    "bias on to the next block): only the hidden state can be cached"
 )
-EXTRA_OUTPUTS_FIX = (
-    "Where the model has an attention implementation that returns the hidden state alone, choose it "
-    "(attn_implementation='sdpa'); else pass cache=False"
-)
+EXTRA_OUTPUTS_FIX = "Pass cache=False"
 STILL_TRAINS = (
     "the frozen blocks' output requires a gradient: a weight they use from outside the frozen prefix "
     "(registered after the blocks, or one FreezeCallback found feeding no block in the first step: its "
