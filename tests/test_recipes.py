@@ -298,6 +298,8 @@ def test_stages_reading_different_batches_is_an_error(mode, tmp_path):
         ("block_hooks", "UnsupportedRecipeError", "has a forward hook (register_forward_hook) under a pipeline"),
         ("block_hooks_inside", "UnsupportedRecipeError", "or a module inside it, has a forward hook"),
         ("weight_penalty", "UnsupportedRecipeError", "reads the blocks' weights after the model call"),
+        ("averaged_model", "WeightAveragingError", "ema is a torch AveragedModel under a 2-stage pipeline"),
+        ("clamping", "RuntimeError", "writes every weight in place (an average copied into the model"),
         ("lbfgs", "UnsupportedRecipeError", "torch.optim.LBFGS under a 2-stage pipeline"),
         ("sam", "UnsupportedRecipeError", "called the closure (training_step and the backward) a second time"),
     ],

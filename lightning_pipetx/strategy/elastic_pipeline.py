@@ -35,6 +35,7 @@ from lightning_pipetx.strategy.failure import (
     CheckpointAfterFailureError,
     FailureAgreement,
     agree_to_checkpoint_after_failure,
+    explain_placeholder_write,
     explain_training_outputs,
     restore_after_failure,
 )
@@ -761,8 +762,11 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._last_run.failed = True
         self._quiet_writers.exit()
         engine = self.engine
-        if engine is not None and not engine.topology.is_last_stage and self.lightning_module.trainer.training:
-            explain_training_outputs(exception, engine.topology.stage, engine.layout.pipeline_length)
+        if engine is not None:
+            length = engine.layout.pipeline_length
+            wrote_placeholder = explain_placeholder_write(exception, length)
+            if not wrote_placeholder and not engine.topology.is_last_stage and self.lightning_module.trainer.training:
+                explain_training_outputs(exception, engine.topology.stage, length)
         super().on_exception(exception)
 
     def teardown(self) -> None:

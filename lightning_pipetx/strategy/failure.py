@@ -132,6 +132,31 @@ def _raised_in_communication(exception: BaseException) -> bool:
     return filename.startswith((os.path.dirname(os.path.abspath(dist.__file__)), package))
 
 
+PLACEHOLDER_WRITE = "more than one element of the written-to tensor refers to a single memory location"
+
+
+def explain_placeholder_write(exception: BaseException, num_stages: int) -> bool:
+    """Attach the likely cause to torch's error at an in-place write to a weight this rank does
+    not hold (a block of another stage: its placeholder is one element, expanded); whether it was one."""
+    if num_stages <= 1 or not isinstance(exception, RuntimeError) or PLACEHOLDER_WRITE not in str(exception):
+        return False
+    _add_note(
+        exception,
+        f"pipetx: under a {num_stages}-stage pipeline each rank holds only its stage's blocks; the others' weights "
+        f"are placeholders that read NaN and cannot be written. This error is likely code in a hook or a step that "
+        f"writes every weight in place (an average copied into the model, a clamp_ of all weights): write only "
+        f"the blocks this stage runs, or pass ElasticPipelineStrategy(pipeline_length=1).",
+    )
+    return True
+
+
+def _add_note(exception: BaseException, note: str) -> None:
+    if sys.version_info >= (3, 11):
+        exception.add_note(note)
+    else:
+        log.error(note)
+
+
 def explain_training_outputs(exception: BaseException, stage: int, num_stages: int) -> None:
     """Attach to an exception raised on a non-last stage during training the likely cause:
     code that reads what ``training_step`` collected after its model call."""
@@ -144,7 +169,4 @@ def explain_training_outputs(exception: BaseException, stage: int, num_stages: i
         f"comes from reading them (in on_train_epoch_end, say), log the values with self.log(..., on_epoch=True) "
         f"instead, or collect them in validation_step, which runs to its end on every stage."
     )
-    if sys.version_info >= (3, 11):
-        exception.add_note(note)
-    else:
-        log.error(note)
+    _add_note(exception, note)

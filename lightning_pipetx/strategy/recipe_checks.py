@@ -47,6 +47,7 @@ def check_fit_recipe(
     refuse_whole_model_optimizers(optimizers, pipeline_length)
     refuse_unagreed_overflow(optimizers, scaler, pipeline_length)
     refuse_weight_averaging(trainer.callbacks, pipeline_length)
+    refuse_averaged_models(module, pipeline_length)
     refuse_model_pruning(trainer.callbacks, pipeline_length)
     refuse_time_based_validation(trainer, world_size)
     dropping = block_dropping(module, blocks)
@@ -59,6 +60,21 @@ def check_fit_recipe(
         _refuse_cache_for_averaging(
             autocache, type(callback).__name__, averaged_weights_used_in(callback, module, trainer.max_epochs)
         )
+
+
+def refuse_averaged_models(module: torch.nn.Module, pipeline_length: int) -> None:
+    """Refuse, under a pipeline, a ``torch.optim.swa_utils.AveragedModel`` inside the LightningModule
+    (an EMA of the model kept as a submodule): it averages every weight, and a rank holds only its
+    stage's blocks (the others read NaN), so its averages of the other blocks would be NaN."""
+    if pipeline_length <= 1:
+        return
+    for name, child in module.named_modules():
+        if isinstance(child, torch.optim.swa_utils.AveragedModel):
+            raise WeightAveragingError(
+                f"{name} is a torch AveragedModel under a {pipeline_length}-stage pipeline: it averages every "
+                f"weight, but each rank holds only the blocks of its stage, so its averages of the other blocks "
+                f"would be of placeholders (NaN). Pass ElasticPipelineStrategy(pipeline_length=1) (replicas only)."
+            )
 
 
 def refuse_whole_model_optimizers(optimizers: list[torch.optim.Optimizer], pipeline_length: int) -> None:

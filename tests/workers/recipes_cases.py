@@ -439,3 +439,30 @@ def weight_penalty_module() -> pl.LightningModule:
 
     module.training_step = training_step
     return module
+
+
+def averaged_model_module() -> pl.LightningModule:
+    """A tiny BERT that keeps an exponential moving average of itself as a torch AveragedModel."""
+    module = build_case_module({"model": "bert", "lr": 1e-3})
+    module.ema = torch.optim.swa_utils.AveragedModel(
+        module.model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)
+    )
+
+    def on_train_batch_end(outputs, batch, batch_idx):
+        module.ema.update_parameters(module.model)
+
+    module.on_train_batch_end = on_train_batch_end
+    return module
+
+
+def clamping_module() -> pl.LightningModule:
+    """A tiny BERT that clamps every weight in place after each batch (a weight constraint)."""
+    module = build_case_module({"model": "bert", "lr": 1e-3})
+
+    def on_train_batch_end(outputs, batch, batch_idx):
+        with torch.no_grad():
+            for param in module.parameters():
+                param.clamp_(-0.1, 0.1)
+
+    module.on_train_batch_end = on_train_batch_end
+    return module

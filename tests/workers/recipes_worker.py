@@ -1,7 +1,7 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
 rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | hooks_profiled | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped) [resume CKPT]
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | averaged_model | clamping | hooks_profiled | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped) [resume CKPT]
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do) and
 "own_sampler" turns Lightning's distributed sampler off: both give the two stages different
@@ -23,7 +23,9 @@ from recipes_cases import (
     STEPS,
     ReentrantCheckpointing,
     albert_module,
+    averaged_model_module,
     block_hooks_module,
+    clamping_module,
     deberta_conv_module,
     epoch_metrics_module,
     fp16_module,
@@ -143,6 +145,8 @@ def main() -> None:
         "block_hooks": block_hooks_module,
         "block_hooks_inside": lambda: block_hooks_module(inside=True),
         "weight_penalty": weight_penalty_module,
+        "averaged_model": averaged_model_module,
+        "clamping": clamping_module,
         "lbfgs": lbfgs_module,
         "sam": sam_module,
         "sam_accumulated": sam_module,
@@ -176,6 +180,8 @@ def main() -> None:
             "block_hooks",
             "block_hooks_inside",
             "weight_penalty",
+            "averaged_model",
+            "clamping",
             "lbfgs",
             "sam",
             "sam_accumulated",
