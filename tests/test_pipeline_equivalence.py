@@ -36,6 +36,7 @@ TWO_PROCESS_CASES = [
     _case("bert_k2_1f1b_accum", "bert", 2, "1f1b", accumulate=2, microbatches=4),
     _case("bert_k1_d2_accum_clip", "bert", 1, "gpipe", clip=0.05, accumulate=2),
     _case("bert_k2_sgd", "bert", 2, "gpipe", optimizer="sgd", microbatches=3),
+    _case("bert_k2_sgd_clip_in_hook", "bert", 2, "1f1b", optimizer="sgd", clip_in_hook=0.05),  # self.clip_gradients
     _case("bert_k1_d2_sgd_accum", "bert", 1, "1f1b", optimizer="sgd", accumulate=2),
     _case("vit_k2_1f1b_clip", "timm_vit", 2, "1f1b", clip=0.05),
     _case("vit_k2_gpipe_accum", "timm_vit", 2, "gpipe", accumulate=2, microbatches=3),

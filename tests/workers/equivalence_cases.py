@@ -51,12 +51,24 @@ class _PoppingLabels:
         return torch.nn.functional.cross_entropy(self.model(**batch).logits, labels)
 
 
+class _ClippingInHook:
+    """Clips by norm in ``on_before_optimizer_step`` through ``self.clip_gradients``, by hand."""
+
+    clip_in_hook = 0.0
+
+    def on_before_optimizer_step(self, optimizer):
+        self.clip_gradients(optimizer, gradient_clip_val=self.clip_in_hook, gradient_clip_algorithm="norm")
+
+
 def build_case_module(case: dict) -> pl.LightningModule:
     base = type(build_task(case["model"], seed=0, dropout=0.0))
     mixins = (_PoppingLabels, _Predicting) if case.get("pops_labels") else (_Predicting,)
+    if case.get("clip_in_hook"):
+        mixins = (_ClippingInHook, *mixins)
     cls = type(f"Predicting{base.__name__}", (*mixins, base), {})
     module = cls(seed=case.get("seed", 0), lr=case.get("lr", 1e-3), dropout=0.0)
     module.optimizer_name = case.get("optimizer", "adamw")
+    module.clip_in_hook = case.get("clip_in_hook", 0.0)
     return module
 
 
@@ -95,7 +107,7 @@ def reference_run(case: dict) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         accelerator="cpu",
         devices=1,
         max_steps=case["steps"],
-        gradient_clip_val=case["clip"],
+        gradient_clip_val=case["clip"] or None,
         accumulate_grad_batches=case["accumulate"],
         logger=False,
         enable_checkpointing=False,

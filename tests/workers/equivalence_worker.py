@@ -49,7 +49,7 @@ def main() -> None:
             devices=world,
             strategy=strategy,
             max_steps=case["steps"],
-            gradient_clip_val=case["clip"],
+            gradient_clip_val=case["clip"] or None,
             accumulate_grad_batches=case["accumulate"],
             logger=False,
             enable_checkpointing=False,
