@@ -25,7 +25,9 @@ its layers) is part of the prefix, and stops dropping when it freezes (:meth:`Pr
 The other way round, a trainable weight registered before the block list that no block's input
 is computed from (a head assigned before the backbone, as XLM-R's classifier is, or a weight of
 the LightningModule used in its loss) is not ``pre``: the trace walks the autograd graph of
-every block's inputs and :meth:`PreTrace.post_names` names the ``pre`` weights it never reached.
+every block's inputs, and counts a read inside a block that another block follows (the graph of a
+stage's received input does not reach back to the stage before), and :meth:`PreTrace.post_names`
+names the ``pre`` weights it never reached.
 
 All of it rests on the blocks' own calls. A model that calls only the members of its blocks (a
 list of lists, as Funnel Transformer's) leaves :attr:`PreTrace.block_called` unset, and then the
@@ -107,6 +109,7 @@ class PreTrace:
         self.module_names = self._pre_weightless + self._post_weightless
         self.module_calls = torch.zeros(len(self.module_names), 3, dtype=torch.bool)
         self.block_called = torch.zeros(1, dtype=torch.bool)  # whether the step called a block of the list
+        self._block, self._last_block = -1, len(split.blocks) - 1  # the block called last, and the list's last
         self._walked: set[Any] = set()
         self._phase = _UNPLACED
         self._mode: _ReadRecorder | None = None
@@ -122,6 +125,10 @@ class PreTrace:
             index = self._pre_index.get(id(value))
             if index is not None:
                 self.pre_reads[index] = True
+                if self._phase == _INSIDE and self._block < self._last_block:
+                    # read in a block that another follows: the next block's input is computed from it
+                    # (there, on a later stage, the received input carries no graph back to it)
+                    self.feeds_blocks[index] = True
 
     def _set_phase(self, phase: int) -> Any:
         def hook(*_: Any) -> None:
@@ -135,8 +142,12 @@ class PreTrace:
 
         return hook
 
-    def _record_block_call(self, *_: Any) -> None:
-        self.block_called[0] = True
+    def _record_block_call(self, index: int) -> Any:
+        def hook(*_: Any) -> None:
+            self.block_called[0] = True
+            self._block = index
+
+        return hook
 
     def _record_block_inputs(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
         for leaf in _graph_leaves(tree_flatten((args, kwargs))[0], self._walked):
@@ -148,8 +159,8 @@ class PreTrace:
         if self._mode is not None or self._handles:
             return
         blocks = self.split.blocks
-        for block in blocks:
-            self._handles.append(block.register_forward_pre_hook(self._record_block_call))
+        for index, block in enumerate(blocks):
+            self._handles.append(block.register_forward_pre_hook(self._record_block_call(index)))
         if self._pre_index:
             for block in blocks:
                 self._handles.append(block.register_forward_pre_hook(self._record_block_inputs, with_kwargs=True))

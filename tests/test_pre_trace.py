@@ -251,6 +251,63 @@ def test_a_weight_is_moved_out_of_pre_only_on_evidence():
     assert trace.post_names() == []  # "later" was not read; "bias" feeds the last block as it is
 
 
+class AdaptersBeforeTheModel(pl.LightningModule):
+    """Low-rank adapters held in a list registered before the model, added inside each block's
+    ``fc2`` (a hand-written LoRA); the blocks' own weights train too. ``boundary_after``: the step
+    cuts the graph after that block, as a pipeline stage's received input does."""
+
+    def __init__(self, boundary_after: int | None = None):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)
+            self.adapters = torch.nn.ModuleList([torch.nn.Linear(32, 16, bias=False) for _ in range(tm.LAYERS)])
+        self.model = tm.tiny_sequential(seed=0, dropout=0.0)
+        self.boundary_after = boundary_after
+        for block, adapter in zip(self.model.blocks, self.adapters):
+            fc = block.fc2
+            fc.forward = lambda x, fc=fc, adapter=adapter: (
+                torch.nn.functional.linear(x, fc.weight, fc.bias) + adapter(x)
+            )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.boundary_after is None:
+            return torch.nn.functional.mse_loss(self.model(x), y)
+        h = self.model.embed(x)
+        for index, block in enumerate(self.model.blocks):
+            h = block(h)
+            if index == self.boundary_after:
+                h = h.detach().requires_grad_()
+        return torch.nn.functional.mse_loss(self.model.head(self.model.norm(h)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_a_weight_read_in_the_last_block_of_a_stage_feeds_the_next_stage():
+    # The received input of a later stage carries no graph back to the weights the stage before read.
+    module = AdaptersBeforeTheModel(boundary_after=1)
+    trace = PreTrace(find_blocks(module))
+    trace.start()
+    module.training_step(_batch("sequential"), 0).backward()
+    trace.stop()
+    assert trace.post_names() == ["adapters.3.weight"]  # read in the last block only
+
+
+def test_weights_that_train_on_inside_a_frozen_prefix_module_leave_its_cache_serving():
+    def fit(cache):
+        module, freeze, rates = AdaptersBeforeTheModel(), FreezeCallback(alpha=1 / 2, signal="schedule"), tm.HitRates()
+        trainer = tm.make_trainer([freeze, rates], max_epochs=4, strategy=ElasticPipelineStrategy(cache=cache))
+        trainer.fit(module, tm.task_loader("sequential", size=16, batch_size=4))
+        return module.state_dict(), rates.rates, freeze.post_weights
+
+    reference, _, post_weights = fit(False)
+    assert post_weights == ["adapters.3.weight"]
+    state, rates, _ = fit(True)
+    assert rates[-1] == 1.0
+    assert all(torch.equal(state[name], reference[name]) for name in reference)
+
+
 class DropoutsAroundTheBlocks(pl.LightningModule):
     """Two dropouts registered before the block list: one applied to the blocks' input, one in the head."""
 

@@ -75,6 +75,7 @@ class FrozenWeightsGuard:
         root, split, frozen_blocks, computes = self._prefix
         paths = {id(module): name for name, module in root.named_modules(remove_duplicate=False)}
         modules = split.prefix_modules(frozen_blocks)
+        training_on = {id(p) for _, p in split.post_by_use}  # in a prefix module, but feeding no block
         current: dict[str, list[int] | None] = {}
         covering: dict[str, str] = {}  # tensor name -> the prefix module it belongs to
         held, fingerprints = [], []
@@ -82,8 +83,8 @@ class FrozenWeightsGuard:
             path = paths[id(module)]
             compared = computes(module)
             for name, tensor in module.state_dict(keep_vars=True).items():  # parameters, persistent buffers
-                if not isinstance(tensor, torch.Tensor):
-                    continue  # extra state
+                if not isinstance(tensor, torch.Tensor) or id(tensor) in training_on:
+                    continue  # extra state, or a weight that trains on
                 key = f"{path}.{name}" if path else name
                 current[key], covering[key] = None, path
                 if compared:
