@@ -46,10 +46,9 @@ def _seeded(seed: int, factory: Callable[[], nn.Module]) -> nn.Module:
 
 
 # --------------------------------------------------------------------------- HF models
-def _bert_config(dropout: float, num_labels: int):
-    from transformers import BertConfig
-
-    return BertConfig(
+def _bert_sizes(dropout: float, num_labels: int) -> dict:
+    """The tiny sizes of a BERT-like encoder's config."""
+    return dict(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         num_hidden_layers=LAYERS,
@@ -59,8 +58,13 @@ def _bert_config(dropout: float, num_labels: int):
         hidden_dropout_prob=dropout,
         attention_probs_dropout_prob=dropout,
         num_labels=num_labels,
-        attn_implementation="eager",
     )
+
+
+def _bert_config(dropout: float, num_labels: int):
+    from transformers import BertConfig
+
+    return BertConfig(**_bert_sizes(dropout, num_labels), attn_implementation="eager")
 
 
 def tiny_bert(seed: int = 0, dropout: float = 0.1, num_labels: int = NUM_LABELS) -> nn.Module:
@@ -132,17 +136,7 @@ def tiny_roformer(seed: int = 0, dropout: float = 0.1, num_labels: int = NUM_LAB
     """A tiny HF RoFormer: each layer returns its attention probabilities beside the hidden state."""
     from transformers import RoFormerConfig, RoFormerForSequenceClassification
 
-    config = RoFormerConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        intermediate_size=INTERMEDIATE,
-        max_position_embeddings=MAX_POSITIONS,
-        hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout,
-        num_labels=num_labels,
-    )
+    config = RoFormerConfig(**_bert_sizes(dropout, num_labels))
     return _seeded(seed, lambda: RoFormerForSequenceClassification(config))
 
 
