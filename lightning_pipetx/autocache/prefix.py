@@ -134,7 +134,7 @@ class CachedPrefix:
             cache.watch.stop("compute", timing[0], len(indices) * (depth - level))
             if stop_at_capture:
                 raise StageExit(hooks.captured)
-            if hooks.captured.extra_tensors and cache.extras_unread is None and hooks.is_last_stage:
+            if not reads and hooks.captured.extra_tensors and cache.extras_unread is None and hooks.is_last_stage:
                 reads.append(ExtraOutputReads(hooks.captured.tensors[1:]))
                 reads[0].start()
 
