@@ -643,3 +643,56 @@ def test_a_model_returning_every_block_s_input_as_memory_is_heard_of():
     model(tokens)
     checks.remove()
     assert heard[0] == ("XLNetForSequenceClassification", "use_mems_eval")
+
+
+def test_a_speech_classifier_asking_its_encoder_for_hidden_states_it_drops_is_not_heard_of():
+    # transformers' filter_output_hidden_states makes Wav2Vec2ForSequenceClassification ask its inner
+    # model for every layer's hidden state in every call; it reads them only under use_weighted_layer_sum.
+    from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
+
+    from lightning_pipetx.strategy.model_checks import CollectedOutputChecks
+
+    config = Wav2Vec2Config(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, conv_dim=(8, 8),
+        conv_stride=(4, 4), conv_kernel=(8, 8), num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2,
+        num_labels=2, classifier_proj_size=8,
+    )  # fmt: skip
+    model = Wav2Vec2ForSequenceClassification(config)
+    heard = []
+    checks = CollectedOutputChecks(model, lambda name, what: heard.append((name, what)))
+    checks.install()
+    speech = torch.randn(2, 400)
+    model(speech)
+    assert heard == []
+    model(speech, output_hidden_states=True)
+    assert heard == [("Wav2Vec2ForSequenceClassification", "output_hidden_states")]
+    checks.remove()
+    config.use_weighted_layer_sum = True
+    model, heard = Wav2Vec2ForSequenceClassification(config), []
+    checks = CollectedOutputChecks(model, lambda name, what: heard.append((name, what)))
+    checks.install()
+    model(speech)
+    checks.remove()
+    assert heard == [("Wav2Vec2ForSequenceClassification", "use_weighted_layer_sum")]
+
+
+def test_a_model_masking_its_input_at_random_is_not_heard_of_when_given_the_noise_under_a_wrapped_forward():
+    # Under a pipeline the output relay wraps the forward of the models on the path to the blocks.
+    from transformers import ViTMAEConfig, ViTMAEForPreTraining
+
+    from lightning_pipetx.strategy.model_checks import CollectedOutputChecks
+
+    config = ViTMAEConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=16,
+        patch_size=8, decoder_hidden_size=16, decoder_num_hidden_layers=1, decoder_num_attention_heads=2,
+        decoder_intermediate_size=32, mask_ratio=0.5,
+    )  # fmt: skip
+    model = ViTMAEForPreTraining(config)
+    original = model.forward
+    model.forward = lambda *args, **kwargs: original(*args, **kwargs)
+    heard = []
+    checks = CollectedOutputChecks(model, lambda *a: None, lambda name, switch: heard.append((name, switch)))
+    checks.install()
+    model(pixel_values=torch.randn(2, 3, 16, 16), noise=torch.rand(2, 4))
+    checks.remove()
+    assert heard == []

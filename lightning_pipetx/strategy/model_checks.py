@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,9 @@ COLLECTED_OUTPUTS = ("output_hidden_states", "output_attentions", "output_router
 # XLNet returns every block's input as memory for the next segment (mems) where ``use_mems`` is
 # passed, else where its config's switch for the module's mode is on (in evaluation by default).
 MEMORY_SWITCHES = {True: "use_mems_train", False: "use_mems_eval"}
+# Speech classifiers (wav2vec2's, HuBERT's) read every layer's hidden state only under this switch,
+# though their forward asks the inner model for them in every call (see _forces_hidden_states).
+LAYER_SUM_SWITCH = "use_weighted_layer_sum"
 # The config switch of a model that masks its input at random in training before the blocks and uses
 # the mask after them too (ViT-MAE's ids_restore, in its decoder and loss), and the forward argument
 # that gives the mask's noise instead. wav2vec2's time and feature masks are not checked: they change
@@ -192,8 +196,8 @@ def random_input_mask(module: nn.Module, args: tuple, kwargs: dict[str, Any]) ->
     value = getattr(module.config, RANDOM_MASK_SWITCH, 0)
     if not module.training or not isinstance(value, (int, float)) or value <= 0:
         return None
-    try:
-        arguments = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+    try:  # the class's forward: the instance's may be wrapped (the output relay's, under a pipeline)
+        arguments = inspect.signature(type(module).forward).bind_partial(module, *args, **kwargs).arguments
     except TypeError:
         arguments = kwargs
     return None if arguments.get(RANDOM_MASK_NOISE) is not None else f"{RANDOM_MASK_SWITCH}={value:g}"
@@ -206,6 +210,29 @@ def _memory_asked_for(module: nn.Module, kwargs: dict[str, Any]) -> str | None:
         return "use_mems" if asked else None
     switch = MEMORY_SWITCHES[module.training]
     return switch if getattr(module.config, switch, False) else None
+
+
+@functools.cache
+def _filtering_code() -> Any:
+    """The code of transformers' ``filter_output_hidden_states`` wrapper (None where it has none)."""
+    utils = sys.modules.get("transformers.backbone_utils")
+    wrap = getattr(utils, "filter_output_hidden_states", None)
+    return None if wrap is None else wrap(lambda self: None).__code__
+
+
+def _forces_hidden_states(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is wrapped by transformers' ``filter_output_hidden_states``
+    (it asks its inner model for every layer's hidden state whatever its caller asked, and drops
+    them unless asked) and reads them only under :data:`LAYER_SUM_SWITCH` (a speech classifier).
+    A backbone wrapped so builds its feature maps from them: not this."""
+    if not hasattr(module.config, LAYER_SUM_SWITCH):
+        return False
+    forward = type(module).forward
+    while forward is not None:
+        if getattr(forward, "__code__", None) is _filtering_code():  # wraps() gives it the forward's names
+            return True
+        forward = getattr(forward, "__wrapped__", None)
+    return False
 
 
 class CollectedOutputChecks:
@@ -223,11 +250,14 @@ class CollectedOutputChecks:
         self.on_random_mask = on_random_mask
         self._handles: list[Any] = []
         self._wrapped: list[nn.Module] = []
+        self._forcing = 0  # calls running whose forward asks its inner model for hidden states regardless
 
     def install(self) -> None:
         for module in self.root.modules():
             if _is_hf_model(module):
                 self._handles.append(module.register_forward_pre_hook(self._check_call, with_kwargs=True))
+                if _forces_hidden_states(module):
+                    self._handles.append(module.register_forward_hook(self._forcing_ends, always_call=True))
             elif callable(getattr(type(module), "forward_intermediates", None)):
                 original = module.forward_intermediates
                 module.forward_intermediates = functools.partial(self._intermediates, module, original)
@@ -241,9 +271,15 @@ class CollectedOutputChecks:
         self._handles, self._wrapped = [], []
 
     def _check_call(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        forced = self._forcing > 0  # the caller's own request was checked at its call
         for flag in COLLECTED_OUTPUTS:
-            if kwargs.get(flag) or getattr(module.config, flag, False):
+            asked = kwargs.get(flag) and not (forced and flag == "output_hidden_states")
+            if asked or getattr(module.config, flag, False):
                 self.on_request(type(module).__name__, flag)
+        if _forces_hidden_states(module):
+            if getattr(module.config, LAYER_SUM_SWITCH, False):
+                self.on_request(type(module).__name__, LAYER_SUM_SWITCH)
+            self._forcing += 1
         memory = _memory_asked_for(module, kwargs)
         if memory is not None:
             self.on_request(type(module).__name__, memory)
@@ -251,6 +287,9 @@ class CollectedOutputChecks:
             switch = random_input_mask(module, args, kwargs)
             if switch is not None:
                 self.on_random_mask(type(module).__name__, switch)
+
+    def _forcing_ends(self, *_: Any) -> None:
+        self._forcing -= 1
 
     def _intermediates(self, module: nn.Module, original: Callable, *args: Any, **kwargs: Any) -> Any:
         self.on_request(type(module).__name__, "forward_intermediates")
