@@ -212,12 +212,15 @@ def _memory_asked_for(module: nn.Module, kwargs: dict[str, Any]) -> str | None:
     return switch if getattr(module.config, switch, False) else None
 
 
-@functools.cache
 def _filtering_code() -> Any:
-    """The code of transformers' ``filter_output_hidden_states`` wrapper (None where it has none)."""
-    utils = sys.modules.get("transformers.backbone_utils")
-    wrap = getattr(utils, "filter_output_hidden_states", None)
-    return None if wrap is None else wrap(lambda self: None).__code__
+    """The code of transformers' ``filter_output_hidden_states`` wrapper (None until it is imported)."""
+    wrap = getattr(sys.modules.get("transformers.backbone_utils"), "filter_output_hidden_states", None)
+    return None if wrap is None else _wrapper_code(wrap)
+
+
+@functools.cache
+def _wrapper_code(wrap: Callable) -> Any:
+    return wrap(lambda self: None).__code__
 
 
 def _forces_hidden_states(module: nn.Module) -> bool:
@@ -227,9 +230,12 @@ def _forces_hidden_states(module: nn.Module) -> bool:
     A backbone wrapped so builds its feature maps from them: not this."""
     if not hasattr(module.config, LAYER_SUM_SWITCH):
         return False
+    code = _filtering_code()
+    if code is None:
+        return False
     forward = type(module).forward
     while forward is not None:
-        if getattr(forward, "__code__", None) is _filtering_code():  # wraps() gives it the forward's names
+        if getattr(forward, "__code__", None) is code:  # wraps() gives it the forward's names
             return True
         forward = getattr(forward, "__wrapped__", None)
     return False
