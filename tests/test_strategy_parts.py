@@ -571,22 +571,27 @@ def test_a_run_that_failed_in_validation_leaves_no_evaluation_state_behind():
     assert metrics.state_ranks() == Layout(2, 1).stage_ranks(1) == [0]  # global rank 0 is the last stage
 
 
-def test_a_model_masking_its_input_at_random_is_heard_of_unless_the_mask_is_given():
-    # ViT-MAE draws its mask before the blocks; its decoder and loss, on the last stage, use it too.
+def _tiny_vit_mae():
+    """A tiny ViT-MAE masking half of its patches at random (mask_ratio=0.5)."""
     from transformers import ViTMAEConfig, ViTMAEForPreTraining
-
-    from lightning_pipetx.strategy.model_checks import (
-        CollectedOutputChecks,
-        UnsupportedRecipeError,
-        refuse_random_input_mask,
-    )
 
     config = ViTMAEConfig(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=16,
         patch_size=8, decoder_hidden_size=16, decoder_num_hidden_layers=1, decoder_num_attention_heads=2,
         decoder_intermediate_size=32, mask_ratio=0.5,
     )  # fmt: skip
-    model = ViTMAEForPreTraining(config)
+    return ViTMAEForPreTraining(config)
+
+
+def test_a_model_masking_its_input_at_random_is_heard_of_unless_the_mask_is_given():
+    # ViT-MAE draws its mask before the blocks; its decoder and loss, on the last stage, use it too.
+    from lightning_pipetx.strategy.model_checks import (
+        CollectedOutputChecks,
+        UnsupportedRecipeError,
+        refuse_random_input_mask,
+    )
+
+    model = _tiny_vit_mae()
     heard = []
     checks = CollectedOutputChecks(model, lambda *a: None, lambda name, switch: heard.append((name, switch)))
     checks.install()
@@ -678,16 +683,9 @@ def test_a_speech_classifier_asking_its_encoder_for_hidden_states_it_drops_is_no
 
 def test_a_model_masking_its_input_at_random_is_not_heard_of_when_given_the_noise_under_a_wrapped_forward():
     # Under a pipeline the output relay wraps the forward of the models on the path to the blocks.
-    from transformers import ViTMAEConfig, ViTMAEForPreTraining
-
     from lightning_pipetx.strategy.model_checks import CollectedOutputChecks
 
-    config = ViTMAEConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=16,
-        patch_size=8, decoder_hidden_size=16, decoder_num_hidden_layers=1, decoder_num_attention_heads=2,
-        decoder_intermediate_size=32, mask_ratio=0.5,
-    )  # fmt: skip
-    model = ViTMAEForPreTraining(config)
+    model = _tiny_vit_mae()
     original = model.forward
     model.forward = lambda *args, **kwargs: original(*args, **kwargs)
     heard = []
