@@ -109,6 +109,7 @@ TASK_PRE_POST = {
         ["loss_fn", "model.norm", "model.fc_norm", "model.head_drop", "model.head"],
     ),
     "sequential": (["model.embed"], ["model.norm", "model.head"]),
+    "batchnorm": (["model.embed"], ["model.norm", "model.head"]),
     "gpt2": (
         ["model.transformer.wte", "model.transformer.wpe", "model.transformer.drop"],
         ["model.lm_head", "model.transformer.ln_f"],

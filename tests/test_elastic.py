@@ -103,11 +103,11 @@ def test_block_buffers_move_with_their_blocks(tmp_path):
     # Rank 1 (the first stage) takes over block 2 with the statistics rank 0 gathered in epoch 0.
     moved = ranks[1]["epochs"][1]["blocks"][2]
     assert moved == ranks[0]["epochs"][1]["blocks"][2] and moved[2] > 0
-    # In 1x2 every rank runs every block, each with the statistics of the rank that ran it.
+    # In 1x2 every rank runs every block, each with the statistics of the rank that ran it
+    # (frozen since epoch 0: the batch norms are in eval mode from then on, which allows the 1x2).
     start_1x2 = [r["epochs"][2]["blocks"] for r in ranks]
     assert start_1x2[0] == start_1x2[1] and all(block[2] > 0 for block in start_1x2[0])
-    # After fit every rank holds replica 0's statistics (as the checkpoint does).
-    assert ranks[0]["final"] == ranks[1]["final"]
+    assert ranks[0]["final"] == ranks[1]["final"] == start_1x2[0]
     # The embedder (pre) trains on the first stage (rank 1) and freezes after epoch 0; the last
     # stage runs it with stale weights. Its statistics come from the first stage.
     first_stage, last_stage = ranks[1]["embedder_at_epoch_end"][0], ranks[0]["embedder_at_epoch_end"][0]
@@ -128,6 +128,15 @@ def test_a_transition_keeps_the_first_stages_statistics_before_the_blocks(tmp_pa
     first_stage, last_stage = ranks[1]["embedder_at_epoch_end"][0], ranks[0]["embedder_at_epoch_end"][0]
     assert first_stage != last_stage
     assert ranks[0]["final_embedder"] == ranks[1]["final_embedder"] == first_stage
+
+
+def test_after_fit_every_replica_holds_replica_0s_batch_norm_statistics(tmp_path):
+    # 1x2 from the start: each replica's batch norms gather the statistics of its half of the data.
+    run_workers("buffers_worker.py", 2, str(tmp_path), "replicas")
+    ranks = [json.loads((tmp_path / f"buffers_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [e["layout"] for e in ranks[0]["epochs"]] == ["1x2", "1x2", "1x2"]
+    assert ranks[0]["at_train_end"] != ranks[1]["at_train_end"]
+    assert ranks[0]["final"] == ranks[1]["final"] == ranks[0]["at_train_end"]
 
 
 @pytest.mark.parametrize("kind", ["iterable", "batch_sampler"])
@@ -198,3 +207,14 @@ def test_a_float_val_limit_keeps_the_layout_whose_replicas_validate_a_batch(tmp_
     for rank in range(2):
         report = json.loads((tmp_path / f"val_share_rank{rank}.json").read_text())
         assert report["layouts"] == ["2x1", "2x1", "2x1"] and report["layout_after_fit"] == "2x1"
+
+
+def test_batch_norms_in_training_keep_the_replicas_through_freezing(tmp_path):
+    # Blocks 2 and 3 keep training with their batch norms: on 2 replicas each would normalize half
+    # of the batch that the 2-stage pipeline (and one process) normalizes whole.
+    run_workers("elastic_worker.py", 2, str(tmp_path), "batchnorm")
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [epoch[:3] for epoch in report["epochs"]] == [[0, 2, 1], [2, 2, 1], [3, 2, 1]]
+    result = torch.load(tmp_path / "final.pt", weights_only=True)["state"]
+    for key, expected in reference_run("batchnorm")["state"].items():
+        torch.testing.assert_close(result[key], expected, atol=1e-5, rtol=1e-4, msg=key)

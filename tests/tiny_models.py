@@ -584,6 +584,15 @@ class TinySequentialRegressor(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
 
+class TinyBatchNormRegressor(TinySequentialRegressor):
+    """:class:`TinySequentialRegressor` with a batch norm in every block, in place of its layer norm."""
+
+    def __init__(self, seed: int = 0, lr: float = 1e-2, dropout: float = 0.1):
+        super().__init__(seed=seed, lr=lr, dropout=dropout)
+        for block in self.model.blocks:
+            block.norm = nn.BatchNorm1d(block.norm.normalized_shape[0])
+
+
 @dataclass(frozen=True)
 class TinyTask:
     """A LightningModule factory and its matching data, for tests that run several tasks alike."""
@@ -602,6 +611,7 @@ TASKS: dict[str, TinyTask] = {
     "t5": TinyTask("t5", TinyT5Seq2Seq, RandomTokenDataset, "model.decoder.block"),
     "roformer": TinyTask("roformer", TinyRoFormerClassifier, RandomTokenDataset, "model.roformer.encoder.layer"),
     "sequential": TinyTask("sequential", TinySequentialRegressor, RandomVectorDataset, "model.blocks"),
+    "batchnorm": TinyTask("batchnorm", TinyBatchNormRegressor, RandomVectorDataset, "model.blocks"),
 }
 
 

@@ -74,12 +74,14 @@ class AutoDP:
         self.keep_global_batch = keep_global_batch
         self.batch0: tuple[int | None, int] | None = None  # the user's batch size, and the replicas it was for
         self.fixed_replicas: int | None = None  # the training samples cannot be dealt to other replicas
+        self.batch_norm_replicas: int | None = None  # batch norms in training normalize each replica's batch
         self.validation: dict[DealtLoader, float] = {}  # fit's validation loaders, and a float limit_val_batches
         self.moving = False  # blocks are changing hands
         self.world_size = 1
 
     def reset(self, world_size: int) -> None:
         self.batch0, self.fixed_replicas, self.moving, self.world_size = None, None, False, world_size
+        self.batch_norm_replicas = None
         self.validation.clear()
 
     def accepts(self, layout: Layout) -> bool:
@@ -87,11 +89,24 @@ class AutoDP:
         the global batch (``keep_global_batch``), and each replica still validates a batch where a
         float ``limit_val_batches`` takes a share of its loader (Lightning refuses a share of none)."""
         replicas = layout.replicas
-        if self.fixed_replicas not in (None, replicas):
+        if self.fixed_replicas not in (None, replicas) or self.batch_norm_replicas not in (None, replicas):
             return False
         if any(int(loader.batches(replicas) * limit) < 1 for loader, limit in self.validation.items()):
             return False
         return not self.keep_global_batch or global_batch_fits(self.batch0, replicas)
+
+    def keep_replicas_for_batch_norms(self, names: list[str], replicas: int) -> None:
+        """While batch norms ``names`` train (in training mode: they normalize each replica's batch by
+        its own statistics), layouts keep ``replicas``: more would normalize smaller batches."""
+        kept = replicas if names else None
+        if kept is not None and self.batch_norm_replicas is None and self.world_size > replicas:
+            log.info(
+                "pipetx: batch norms in training (%s, ...) normalize each replica's batch: layouts keep %d "
+                "replicas while they train, as more would normalize smaller batches than the run's",
+                names[0],
+                replicas,
+            )
+        self.batch_norm_replicas = kept
 
     def reshard(self, dataloader: DataLoader, replicas: int, rank: int) -> DataLoader:
         """The training loader for replica ``rank`` of ``replicas``."""

@@ -58,6 +58,7 @@ from lightning_pipetx.strategy.model_checks import (
     refuse_shared_block_weights,
     refuse_shared_layers,
     refuse_unconverted_batch_norms,
+    training_batch_norms,
 )
 from lightning_pipetx.strategy.options import check_arguments
 from lightning_pipetx.strategy.param_store import ParamStore
@@ -390,6 +391,7 @@ class ElasticPipelineStrategy(DDPStrategy):
             return  # the ablation: blocks freeze in place, the layout stays
         self._take_profile(engine)
         previous, self._frozen = self._frozen, frozen_blocks
+        self._autodp.keep_replicas_for_batch_norms(training_batch_norms(self.lightning_module), engine.layout.replicas)
         new_plan = self._plan(frozen_blocks)
         if new_plan is None:  # no layout is left for this prefix: it freezes in place, as with elastic=False
             if self.is_global_zero:

@@ -62,6 +62,11 @@ def batch_norm_names(module: nn.Module) -> list[str]:
     return [name for name, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
+def training_batch_norms(module: nn.Module) -> list[str]:
+    """Batch norms of ``module`` in training mode (each normalizes its batch by the batch's statistics)."""
+    return [name for name, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+
+
 def microbatches_for_training(num_microbatches: int | str, module: nn.Module) -> int | str:
     """``num_microbatches`` for fit: ``"auto"`` is 1 for a model with batch norms, which in
     training normalize each micro-batch by its own statistics (other gradients than one

@@ -1,9 +1,12 @@
 """A tiny HF ResNet (BatchNorm in every block) through a 2x1 -> 1x2 transition on 2 processes.
 
-Usage: torchrun --nproc_per_node=2 buffers_worker.py OUT_DIR [direct]
+Usage: torchrun --nproc_per_node=2 buffers_worker.py OUT_DIR [direct|replicas]
 Every rank writes OUT_DIR/buffers_rank<N>.json: the layout, and every block's BatchNorm
 statistics at the start of each epoch and after fit. ``direct``: 3 of 4 blocks freeze after
 epoch 0, so the layout goes from 2x1 to 1x2 at once, and no checkpoint is written before.
+``replicas``: 1x2 from the start, every batch norm training on its replica's half of each batch.
+Otherwise, from epoch 1 on every batch norm is in eval mode (a fine-tune recipe), so transitions may add
+replicas: while one trains, the strategy keeps the number of replicas.
 """
 
 import json
@@ -71,6 +74,24 @@ def embedder_statistics(module: pl.LightningModule) -> list[float]:
     return [float(sum(v.sum() for k, v in buffers.items() if k.endswith(name))) for name in ("mean", "var", "tracked")]
 
 
+class BatchNormStatisticsFreeze(Callback):
+    """Every batch norm in eval mode after epoch 0: put it before FreezeCallback, whose decision
+    (and transition) at the epoch's end must see them so."""
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch > 0:
+            self._freeze(pl_module)
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self._freeze(pl_module)
+
+    @staticmethod
+    def _freeze(pl_module):
+        for module in pl_module.modules():
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+                module.eval()
+
+
 class Recorder(Callback):
     """Put it before FreezeCallback: its epoch end runs before a decision's transition."""
 
@@ -88,15 +109,22 @@ class Recorder(Callback):
         if trainer.current_epoch == 0 and self.save:
             trainer.save_checkpoint(os.path.join(self.out_dir, "epoch0.ckpt"))
 
+    def on_train_end(self, trainer, pl_module):
+        self.at_train_end = statistics(pl_module)
+
 
 def main():
-    out_dir, direct = sys.argv[1], sys.argv[2:] == ["direct"]
+    out_dir, mode = sys.argv[1], (sys.argv[2:] or [""])[0]
+    direct, replicas = mode == "direct", mode == "replicas"
     recorder = Recorder(out_dir, save=not direct)
+    bn_freeze = [] if replicas else [BatchNormStatisticsFreeze()]
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=ElasticPipelineStrategy(pipeline_length=2, num_microbatches=1, profile_steps=0, cache=False),
-        callbacks=[recorder, FreezeCallback(alpha=3 / 4 if direct else 1 / 2, signal="schedule")],
+        strategy=ElasticPipelineStrategy(
+            pipeline_length=1 if replicas else 2, num_microbatches=1, profile_steps=0, cache=False
+        ),
+        callbacks=[recorder, *bn_freeze, FreezeCallback(alpha=3 / 4 if direct else 1 / 2, signal="schedule")],
         max_epochs=3,
         logger=False,
         enable_checkpointing=False,
@@ -108,6 +136,7 @@ def main():
     trainer.fit(module, DataLoader(RandomImageDataset(size=32, seed=1), batch_size=8))
     report = {
         "epochs": recorder.epochs,
+        "at_train_end": recorder.at_train_end,
         "final": statistics(module),
         "embedder_at_epoch_end": recorder.embedder_at_epoch_end,
         "final_embedder": embedder_statistics(module),

@@ -84,7 +84,10 @@ def main():
         devices=world,
         # Parameter counts as costs (no profiling): the test predicts the plan from them.
         strategy=ElasticPipelineStrategy(
-            pipeline_length=min(4, world), num_microbatches=2, profile_steps=0, elastic=elastic
+            pipeline_length=min(4, world),
+            num_microbatches="auto" if model_name == "batchnorm" else 2,  # batch norms: whole batches
+            profile_steps=0,
+            elastic=elastic,
         ),
         max_epochs=EPOCHS,
         callbacks=[freeze, recorder, checkpoint, ValidationBatchLog()],
