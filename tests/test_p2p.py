@@ -46,10 +46,12 @@ def _case(name, pipeline_length, schedule, microbatches, **extra):
     return case
 
 
+# RoFormer's blocks return attention probabilities that no stage reads: each boundary's answer
+# travels back with a gradient, and the later activations go without them.
 STRICT_CASES = {
-    2: [_case("k2_gpipe", 2, "gpipe", 3), _case("k2_1f1b", 2, "1f1b", 4)],
-    3: [_case("k3_gpipe", 3, "gpipe", 2), _case("k3_1f1b", 3, "1f1b", 4)],
-    4: [_case("k4_1f1b", 4, "1f1b", 2), _case("k4_gpipe", 4, "gpipe", 5)],
+    2: [_case("k2_gpipe", 2, "gpipe", 3), _case("k2_1f1b", 2, "1f1b", 4, model="roformer")],
+    3: [_case("k3_gpipe", 3, "gpipe", 2, model="roformer"), _case("k3_1f1b", 3, "1f1b", 4)],
+    4: [_case("k4_1f1b", 4, "1f1b", 2, model="roformer"), _case("k4_gpipe", 4, "gpipe", 5)],
 }
 
 
@@ -66,3 +68,6 @@ def test_schedules_finish_and_stay_exact_under_nccls_rules(nprocs, rules, tmp_pa
                 result["state"][key], expected, atol=1e-5, rtol=1e-4, msg=f"{case['name']}: {key}"
             )
         torch.testing.assert_close(result["predictions"], predictions, atol=1e-5, rtol=1e-4)
+        if case["model"] == "roformer":  # every stage but the last was answered: nothing reads them
+            answers = [json.loads((tmp_path / f"{case['name']}_rank{r}.json").read_text()) for r in range(nprocs)]
+            assert sorted((a["next_reads"] for a in answers), key=str) == [False] * (nprocs - 1) + [None]

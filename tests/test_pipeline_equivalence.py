@@ -43,6 +43,8 @@ TWO_PROCESS_CASES = [
     _case("vit_k1_d2_1f1b", "timm_vit", 1, "1f1b"),
     _case("gpt2_k2_gpipe_clip", "gpt2", 2, "gpipe", clip=0.05),  # embedding tied to the head: stages 0 and 1
     _case("t5_k2_1f1b", "t5", 2, "1f1b", microbatches=3),  # position bias passed from block to block
+    _case("roformer_k2_gpipe", "roformer", 2, "gpipe"),  # attention probabilities returned, read by none
+    _case("roformer_k2_1f1b", "roformer", 2, "1f1b", microbatches=3),
     _case("mpnet_k2_1f1b", "mpnet", 2, "1f1b", microbatches=3),  # position bias from a weight every stage uses
     _case("bert_k2_1f1b_pops_labels", "bert", 2, "1f1b", pops_labels=True),  # the batch changes before the model call
 ]
@@ -101,3 +103,21 @@ def test_shared_parameters_are_reduced_only_where_they_are_used(four_process_res
     assert stages["model.transformer.wte.weight"] == [0, 1]  # tied to the LM head on the last stage
     assert stages["model.transformer.wpe.weight"] == [0]
     assert stages["model.transformer.ln_f.weight"] == [1]
+
+
+@pytest.mark.parametrize(
+    "name, reads",
+    [("roformer_k2_gpipe", False), ("roformer_k2_1f1b", False), ("t5_k2_1f1b", True), ("bert_k2_sgd", None)],
+)
+def test_a_stage_sends_extra_block_outputs_only_where_the_next_stage_reads_them(two_process_results, name, reads):
+    # RoFormer's blocks return their attention probabilities, which nothing reads: after the first
+    # step's answer stage 0 sends the hidden state alone (and the weights above still match).
+    # T5's next block reads the position bias; BERT's blocks return the hidden state only.
+    records = [json.loads((two_process_results / f"{name}_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert sorted((r["next_reads"] for r in records), key=str) == sorted([reads, None], key=str)
+    for record in records:  # the first stage sends activations, the last their gradients
+        first_step, *later_steps = record["bytes_sent"]
+        if reads is False:  # here the probabilities weigh about as much as the hidden state
+            assert all(step < 0.6 * first_step for step in later_steps)
+        else:
+            assert all(abs(step - first_step) <= 8 for step in later_steps)  # the answer's 8 bytes

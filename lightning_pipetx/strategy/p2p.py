@@ -241,6 +241,7 @@ class Channel:
         self.strict = strict_mode() if strict is None else strict
         self.coalesced = os.environ.get(COALESCED_ENV, "0") == "1" if coalesced is None else coalesced
         self._outstanding: list[tuple[dist.Work, int, torch.Tensor]] = []  # sends of the last batch
+        self.bytes_sent = 0
 
     def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
         """Post ``sends`` and ``recvs`` (``(tensor, global rank)``) as one batch and return once
@@ -248,6 +249,7 @@ class Channel:
         self.flush()
         if not sends and not recvs:
             return
+        self.bytes_sent += sum(t.numel() * t.element_size() for t, _ in sends)
         ops = [dist.P2POp(dist.isend, t, peer, tag=_TAG_DATA) for t, peer in sends]
         ops += [dist.P2POp(dist.irecv, t, peer, tag=_TAG_DATA) for t, peer in recvs]
         works = _coalesced(ops) if self.coalesced else dist.batch_isend_irecv(ops)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_pipetx.strategy.boundary_extras import BoundaryExtras
 from lightning_pipetx.strategy.fingerprint import batch_fingerprint
 from lightning_pipetx.strategy.model_checks import UnsupportedRecipeError
 from lightning_pipetx.strategy.p2p import (
@@ -159,6 +160,8 @@ class _InFlight:
     input: Activation | None  # what was received (leaf tensors), if anything
     output: Any  # the activation sent on, or (last stage) the step's output
     loss: torch.Tensor | None = None
+    asks: bool = False  # the next stage's answer about extra elements comes back with the gradients
+    answer: torch.Tensor | None = None  # this stage's answer, sent back with the gradients
 
 
 class StageRunner:
@@ -175,6 +178,7 @@ class StageRunner:
         # Applied to the last stage's loss before its backward (loss scaling under 16-mixed).
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
         self._mismatches: torch.Tensor | None = None  # micro-batches whose fingerprint differed, on device
+        self.extras = BoundaryExtras(topology.stage, channel.device)
 
     # ------------------------------------------------------- communication
     def _receive_activation(self, outbox: list[tuple[torch.Tensor, int]], expected: tuple | None = None) -> Activation:
@@ -270,13 +274,15 @@ class StageRunner:
         """Run one micro-batch's forward; returns it in flight and the activation to send on."""
         topo, hooks = self.topology, self.hooks
         hooks.incoming, hooks.calls = incoming, BlockCalls("training_step", refuse_repeats=topo.pipeline_length > 1)
+        watch = self.extras.watch(incoming)  # this stage's answer about the extra elements it receives
         try:
-            with self.microbatch_context(position):
+            with watch or contextlib.nullcontext(), self.microbatch_context(position):
                 output = step_fn(microbatch)
         except StageExit as boundary:
-            act = boundary.activation
+            answer = None if watch is None else self.extras.answer(watch)
+            act, asks = self.extras.outgoing(boundary.activation)
             sent = act if any(act.needs_grad) else None
-            return _InFlight(incoming, sent), act
+            return _InFlight(incoming, sent, asks=asks, answer=answer), act
         finally:
             hooks.incoming, hooks.calls = None, None
         if output is None:  # returned before its model call, on a stage whose blocks it never reached
@@ -289,7 +295,8 @@ class StageRunner:
                 f"Funnel Transformer's), name the list it calls with ElasticPipelineStrategy(blocks=...), or pass "
                 f"pipeline_length=1."
             )
-        return _InFlight(incoming, output), None
+        answer = None if watch is None else self.extras.answer(watch)
+        return _InFlight(incoming, output, answer=answer), None
 
     # ----------------------------------------------------------- backward
     def _backward(self, flight: _InFlight, loss_weight: float, grads: list[torch.Tensor]) -> list:
@@ -304,7 +311,7 @@ class StageRunner:
         received = flight.input
         if received is None or not any(t is not None and t.requires_grad for t in received.tensors):
             return []
-        return [
+        sends = [
             (
                 t.grad.contiguous() if t.grad is not None else torch.zeros(t.shape, dtype=t.dtype, device=t.device),
                 topo.prev_rank,
@@ -312,6 +319,7 @@ class StageRunner:
             for t, need in zip(received.tensors, received.needs_grad)
             if need
         ]
+        return sends if flight.answer is None else [*sends, (flight.answer, topo.prev_rank)]
 
     def _gradient_buffers(self, flight: _InFlight) -> list[torch.Tensor]:
         if self.topology.is_last_stage or flight.output is None:
@@ -360,7 +368,10 @@ class StageRunner:
             else:
                 flight = flights.pop(i)
                 grads = self._gradient_buffers(flight)
-                self.channel.exchange(outbox, [(g, topo.next_rank) for g in grads])
+                answer = [self.extras.answer_buffer()] if flight.asks else []
+                self.channel.exchange(outbox, [(t, topo.next_rank) for t in grads + answer])
+                if answer:
+                    self.extras.take_answer(answer[0])
                 outbox = self._backward(flight, loss_weights[i], grads)
         self.channel.exchange(outbox, [])
         self.channel.flush()

@@ -16,6 +16,10 @@ from worker_exit import run_worker
 from lightning_pipetx import ElasticPipelineStrategy
 
 
+def dist_rank() -> int:
+    return int(os.environ["RANK"])
+
+
 class GradientSyncRecorder(Callback):
     """How gradients were reduced: buckets started during the backward, and the stages whose
     gradients make up each parameter outside the block list."""
@@ -31,6 +35,23 @@ class GradientSyncRecorder(Callback):
         }
 
 
+class BoundaryRecorder(Callback):
+    """Per rank: the next stage's answer to whether it reads the extra elements of this stage's
+    blocks' outputs (None: no such elements, or no next stage), and the bytes sent in each step."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.bytes_sent = []  # by each training step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.bytes_sent.append(trainer.strategy.engine.runner.channel.bytes_sent - sum(self.bytes_sent))
+
+    def on_train_end(self, trainer, pl_module):
+        runner = trainer.strategy.engine.runner
+        with open(self.path, "w") as f:
+            json.dump({"next_reads": runner.extras.next_reads, "bytes_sent": self.bytes_sent}, f)
+
+
 def main() -> None:
     out_dir, cases = sys.argv[1], [json.loads(arg) for arg in sys.argv[2:]]
     world = int(os.environ["WORLD_SIZE"])
@@ -44,7 +65,7 @@ def main() -> None:
         )
         recorder = GradientSyncRecorder()
         trainer = pl.Trainer(
-            callbacks=[recorder],
+            callbacks=[recorder, BoundaryRecorder(os.path.join(out_dir, f"{case['name']}_rank{dist_rank()}.json"))],
             accelerator="cpu",
             devices=world,
             strategy=strategy,
