@@ -144,3 +144,18 @@ def test_the_learning_rate_finder_restores_the_module_under_a_pipeline(tmp_path)
     fitted = torch.load(tmp_path / "fitted.pt", weights_only=True)
     for name, value in module.state_dict().items():  # float rounding, grown by the chosen learning rate (0.1)
         torch.testing.assert_close(fitted[name], value, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_each_stage_draws_dropout_from_a_stream_of_its_own(tmp_path):
+    # GPT-2's stage 1 runs the embeddings' dropout and two blocks, as stage 0 does: drawing from
+    # the same seeded stream, block 2 would drop exactly what block 0 dropped (and 3 what 1 did).
+    run_workers("dropout_streams_worker.py", 2, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"masks_rank{rank}.json").read_text()) for rank in (0, 1)]
+    masks = {int(block): calls for rank in ranks for block, calls in rank["masks"].items()}
+    assert sorted(masks) == [0, 1, 2, 3] and all(len(calls) == 4 for calls in masks.values())  # 2 steps x 2
+    for early, late in ((0, 2), (1, 3)):
+        for call_early, call_late in zip(masks[early], masks[late]):
+            agree = sum(a == b for a, b in zip(call_early, call_late)) / len(call_early)
+            assert 0.35 < agree < 0.65  # independent masks of rate 0.5 agree on about half
+    # The schedule drew from the stages' streams: the processes' own are alike, for what draws next.
+    assert ranks[0]["random_state"] == ranks[1]["random_state"]

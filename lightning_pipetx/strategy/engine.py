@@ -29,6 +29,7 @@ from lightning_pipetx.strategy.p2p import Channel
 from lightning_pipetx.strategy.param_store import ParamStore, broadcast_, broadcast_all, gather_block_state
 from lightning_pipetx.strategy.stage_hooks import BlockCalls, StageExit, StageHooks
 from lightning_pipetx.strategy.stage_runner import StageRunner, extract_loss, no_microbatch_context
+from lightning_pipetx.strategy.stage_streams import StageStream, stage_seed
 from lightning_pipetx.strategy.topology import Topology
 
 
@@ -96,6 +97,7 @@ class PipelineEngine:
         self._prefix: CachedPrefix | None = None  # AutoCache, on the first stage only
         self._eval_prefix: CachedPrefix | None = None  # its validation cache, on the first stage only
         self._frozen = 0
+        self._stream: StageStream | None = None  # under a pipeline: this stage's random stream
 
     @property
     def frozen(self) -> int:
@@ -109,6 +111,15 @@ class PipelineEngine:
         self._frozen = value
 
     # --------------------------------------------------------------- steps
+    def _stage_stream(self) -> contextlib.AbstractContextManager:
+        """Under a pipeline, this stage's own random stream (from the layout's first step on)."""
+        if self.topology.pipeline_length == 1:
+            return contextlib.nullcontext()
+        if self._stream is None:
+            seed = stage_seed(torch.initial_seed(), self.topology.stage, self.module.trainer.global_step)
+            self._stream = StageStream(seed, self.device)
+        return self._stream.drawing()
+
     def _microbatches(self, batch: Any) -> tuple[list[Any], list[int]]:
         if self.num_microbatches == 1:  # left whole: any batch DDP takes
             return [batch], [whole_batch_size(batch)]
@@ -176,7 +187,7 @@ class PipelineEngine:
         self.hooks.timer.active = 0 < self._steps <= self.profile_steps
         self._steps += 1
         try:
-            with self.recorder.capture():
+            with self.recorder.capture(), self._stage_stream():
                 outputs = self.runner.train(
                     microbatches, self._step_fn(step, args, kwargs, sizes), weights, self.schedule
                 )

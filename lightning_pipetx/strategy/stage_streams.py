@@ -1,0 +1,57 @@
+"""A random stream of its own for each pipeline stage's training forwards.
+
+Every rank starts from the same seed (``seed_everything``, or torch's default). Under a pipeline
+each stage draws dropout and drop-path masks for its own blocks, and stages that draw alike (GPT-2's
+stage 1 runs the embeddings' dropout and then two blocks, as stage 0 does) would draw the same
+masks: block 2 would drop what block 0 dropped, for every micro-batch. :class:`StageStream` gives
+the schedule of stage ``s`` a stream seeded from the run's seed, ``s`` and the step the layout
+began at, and leaves the process's own streams as they were: what the loaders and callbacks draw
+stays alike on every rank. Replicas of a stage draw alike, as DDP's replicas do; one stage (1xN)
+keeps the process's streams, so 1xN draws what DDP draws.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+_MASK = (1 << 63) - 1
+
+
+def stage_seed(base: int, stage: int, step: int) -> int:
+    """A seed for ``stage`` of a layout that began at training step ``step`` of a run seeded ``base``."""
+    return (base * 6364136223846793005 + (stage + 1) * 1442695040888963407 + step * 2862933555777941757) & _MASK
+
+
+class StageStream:
+    """The CPU's and ``device``'s random states of one stage, swapped in around its schedule."""
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self._backend = None if device.type == "cpu" else torch.get_device_module(device.type)
+        self._device = device
+        self._cpu = torch.Generator().manual_seed(seed).get_state()
+        self._on_device = None
+        if self._backend is not None:  # seeded as the process's own, then put back: one state format
+            saved = self._backend.get_rng_state(device)
+            self._backend.manual_seed(seed)  # the current device: the strategy's root device
+            self._on_device = self._backend.get_rng_state(device)
+            self._backend.set_rng_state(saved, device)
+
+    @contextlib.contextmanager
+    def drawing(self) -> Iterator[None]:
+        """Draw from this stage's stream inside; the process's streams continue where they were."""
+        saved_cpu = torch.get_rng_state()
+        saved_device = None if self._backend is None else self._backend.get_rng_state(self._device)
+        torch.set_rng_state(self._cpu)
+        if self._backend is not None:
+            self._backend.set_rng_state(self._on_device, self._device)
+        try:
+            yield
+        finally:
+            self._cpu = torch.get_rng_state()
+            torch.set_rng_state(saved_cpu)
+            if self._backend is not None:
+                self._on_device = self._backend.get_rng_state(self._device)
+                self._backend.set_rng_state(saved_device, self._device)
