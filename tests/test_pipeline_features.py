@@ -159,3 +159,12 @@ def test_each_stage_draws_dropout_from_a_stream_of_its_own(tmp_path):
             assert 0.35 < agree < 0.65  # independent masks of rate 0.5 agree on about half
     # The schedule drew from the stages' streams: the processes' own are alike, for what draws next.
     assert ranks[0]["random_state"] == ranks[1]["random_state"]
+
+
+def test_callbacks_decide_on_what_the_last_stage_saw(tmp_path):
+    # The count rises every epoch on the last stage and stays 0 on the first, which never runs the
+    # code after the model call: the decisions are the last stage's, on both ranks.
+    run_workers("decisions_worker.py", 2, str(tmp_path))
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"decisions_rank{rank}.json").read_text())
+        assert report == {"best": "epoch=2-step=6.ckpt", "epochs": 3}

@@ -661,11 +661,17 @@ class ElasticPipelineStrategy(DDPStrategy):
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """The last stages' decisions (``all``: every one's, else any one's), on every rank: under a
+        pipeline only they run the code after the model call in ``training_step``, and a value it
+        updates (a count of correct predictions that ModelCheckpoint or EarlyStopping monitors) is
+        theirs alone. Without a pipeline every rank is a last stage, as under DDP."""
         if not (dist.is_available() and dist.is_initialized()):
             return decision
-        flag = torch.tensor(int(decision), device=self.root_device)
-        dist.all_reduce(flag, op=ReduceOp.SUM)
-        return bool(flag == self.world_size) if all else bool(flag)
+        voter = self.engine is None or self.engine.topology.is_last_stage
+        votes = torch.tensor([int(decision and voter), int(voter)], device=self.root_device)
+        dist.all_reduce(votes, op=ReduceOp.SUM)
+        agree, voters = votes.tolist()
+        return agree == voters if all else agree > 0
 
     # --------------------------------------------------------- checkpoint
     def _saving_plan(self) -> Plan:
