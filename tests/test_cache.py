@@ -305,6 +305,15 @@ def test_a_resume_that_moves_to_another_layout_keeps_the_cache(tmp_path):
     assert full["4"] == 1.0 and resumed == {"2": 0.0, "3": 0.0, "4": 1.0}
 
 
+def test_a_resume_after_an_epochs_last_batch_keeps_the_cache_beside_a_validation_loader(tmp_path):
+    # Resumed from a checkpoint written after the epoch's last batch, Lightning's validation loop builds
+    # its loader while trainer.training is still set: it is not a second training loader (cache=True refused).
+    run_workers("resume_cache_worker.py", 2, str(tmp_path / "full"), "-", "validate", timeout=300)
+    resumed = tmp_path / "resumed"
+    run_workers("resume_cache_worker.py", 2, str(resumed), str(tmp_path / "full" / "epoch=1.ckpt"), "validate")
+    assert json.loads((resumed / "report.json").read_text()) == {"2": 0.0, "3": 0.0, "4": 1.0}
+
+
 def test_dynamic_padding_is_refused_with_a_clear_message(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="lightning_pipetx"):
         _, rates, _ = fit("auto", tm.RandomTokenDataset(size=32, seed=1), tmp_path, collate_fn=pad_to_longest)

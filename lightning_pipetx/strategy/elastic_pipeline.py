@@ -201,6 +201,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._loader_rebuild = LoaderRebuild()
         self._batch_keys: tuple[Any, Any] = (None, None)  # AutoCache's sample indices of this batch and the next
         self._closure_calls = 0  # training_step calls for this batch (an optimizer may call the closure again)
+        self._loaders_named: str | None = None  # "train", "val", ...: the loaders Lightning's loop is building
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -440,7 +441,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         layout = self._loader_layout()
         if layout is None or not isinstance(dataloader, DataLoader):
             return dataloader
-        if not trainer.training:
+        if not self._builds_training_loaders(trainer):
             if trainer.state.fn != TrainerFn.FITTING:
                 return dataloader
             self._autodp.note_validation(dataloader, trainer.limit_val_batches)
@@ -452,6 +453,17 @@ class ElasticPipelineStrategy(DDPStrategy):
         if opened is not None and self.engine is not None:  # else the engine gets it when it is built
             self.engine.cache = opened
         return dataloader
+
+    def barrier(self, name: str | None = None) -> None:
+        if name is not None and name.endswith("_dataloader()"):  # a loop about to build its loaders
+            self._loaders_named = name.removesuffix("_dataloader()")
+        super().barrier(name)
+
+    def _builds_training_loaders(self, trainer: pl.Trainer) -> bool:
+        """Whether the loaders processed now are for training: the loop that builds them names them
+        at its barrier (a resumed fit's validation loop builds its loaders while ``trainer.training``
+        is still set); without a name, ``trainer.training`` says."""
+        return trainer.training if self._loaders_named is None else self._loaders_named == "train"
 
     def _cache_site(self, layout: Layout, loader: DataLoader) -> CacheSite:
         if not shards_one_index_space(loader):  # the ranks' datasets may differ: no rank reads another's states

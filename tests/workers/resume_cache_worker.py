@@ -2,8 +2,10 @@
 a checkpoint after every epoch; resumed from one, FreezeCallback re-applies the frozen prefix at
 the start of fit and the strategy moves to 1x2 before the first step.
 
-Usage: torchrun --nproc_per_node=2 resume_cache_worker.py OUT_DIR [CKPT]
+Usage: torchrun --nproc_per_node=2 resume_cache_worker.py OUT_DIR [CKPT|-] [validate]
 Rank 0 writes OUT_DIR/report.json: the training cache's hit rate logged each epoch (None: not logged).
+``validate``: with a validation loader, and the checkpoints written after each epoch's last batch
+(a resumed fit then builds the validation loader while ``trainer.training`` is set).
 """
 
 import json
@@ -29,14 +31,18 @@ class HitRates(Callback):
 
 
 def main() -> None:
-    out_dir, ckpt = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
+    out_dir, ckpt, *options = sys.argv[1:] + ["-"] * (len(sys.argv) < 3)
+    validate = options == ["validate"]
     rates = HitRates()
-    checkpoints = ModelCheckpoint(dirpath=out_dir, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+    every = {"every_n_train_steps": 4} if validate else {"every_n_epochs": 1}  # 4 batches an epoch
+    checkpoints = ModelCheckpoint(dirpath=out_dir, save_top_k=-1, filename="{epoch}", **every)
     strategy = ElasticPipelineStrategy(pipeline_length=2, num_microbatches=2, profile_steps=0, cache=True)
     callbacks = [FreezeCallback(alpha=0.5, signal="schedule"), rates, checkpoints]
     trainer = make_trainer(callbacks, max_epochs=5, devices=2, strategy=strategy, enable_checkpointing=True)
     loader = DataLoader(RandomVectorDataset(size=32, seed=1), batch_size=8, shuffle=True)
-    trainer.fit(TinySequentialRegressor(seed=0, dropout=0.0), loader, ckpt_path=ckpt)
+    val_loader = DataLoader(RandomVectorDataset(size=8, seed=2), batch_size=4) if validate else None
+    module = TinySequentialRegressor(seed=0, dropout=0.0)
+    trainer.fit(module, loader, val_loader, ckpt_path=None if ckpt == "-" else ckpt)
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, "report.json"), "w") as handle:
             json.dump(rates.rates, handle)
