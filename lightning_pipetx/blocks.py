@@ -244,4 +244,14 @@ def find_blocks(root: nn.Module, path: str | None = None) -> BlockSplit:
             else:
                 side.append((prefix + name, child))
         module, prefix = getattr(module, part), prefix + part + "."
-    return BlockSplit(root, path, blocks, tuple(pre), tuple(post), tuple(direct))
+    return BlockSplit(root, path, blocks, tuple(pre), tuple(_without_aliases(post, pre, blocks)), tuple(direct))
+
+
+def _without_aliases(
+    post: list[tuple[str, nn.Module]], pre: list[tuple[str, nn.Module]], blocks: nn.Module
+) -> list[tuple[str, nn.Module]]:
+    """``post`` without second names of modules of ``pre`` or of the blocks (``self.backbone =
+    self.model.embeddings``, as Lightning's ``BackboneFinetuning`` asks for): such a module runs
+    where its first name puts it."""
+    earlier = {id(m) for _, module in pre for m in module.modules()} | {id(m) for m in blocks.modules()}
+    return [(name, module) for name, module in post if id(module) not in earlier]

@@ -194,6 +194,19 @@ def test_a_pre_weight_tied_to_the_head_is_not_part_of_the_frozen_prefix():
     assert any(p is model.transformer.h[1].mlp.c_fc.weight for p in prefix)
 
 
+def test_a_second_name_of_the_embeddings_after_the_blocks_does_not_keep_them_training():
+    # Lightning's BackboneFinetuning asks for `self.backbone`; naming the embeddings so registers
+    # them after the block list, as if the head used them.
+    module = tm.TinySequentialRegressor()
+    module.backbone = module.model.embed
+    module.last_block = module.model.blocks[-1]
+    split = find_blocks(module)
+    assert [name for name, _ in split.post] == ["model.norm", "model.head"]
+    prefix = split.prefix_parameters(1)
+    assert all(any(p is q for q in prefix) for p in module.model.embed.parameters())
+    assert not any(p is q for p in module.model.head.parameters() for q in prefix)
+
+
 def test_largest_block_list_wins_over_smaller_ones():
     class TwoStacks(nn.Module):
         def __init__(self):
