@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
@@ -75,6 +76,7 @@ class AutoDP:
         self.batch0: tuple[int | None, int] | None = None  # the user's batch size, and the replicas it was for
         self.fixed_replicas: int | None = None  # the training samples cannot be dealt to other replicas
         self.batch_norm_replicas: int | None = None  # batch norms in training normalize each replica's batch
+        self._warned_shorter_epochs = False
         self.validation: dict[DealtLoader, float] = {}  # fit's validation loaders, and a float limit_val_batches
         self.moving = False  # blocks are changing hands
         self.world_size = 1
@@ -128,7 +130,18 @@ class AutoDP:
                     replicas,
                 )
         dataloader = deal_again(dataloader, replicas, rank)
-        if not self.keep_global_batch or replicas == self.batch0[1]:
+        if replicas == self.batch0[1]:
+            return dataloader
+        if not self.keep_global_batch:
+            if not self._warned_shorter_epochs:
+                self._warned_shorter_epochs = True
+                rank_zero_warn(
+                    f"ElasticPipelineStrategy(keep_global_batch=False): {replicas} replicas (the run began with "
+                    f"{self.batch0[1]}) each keep the batch size, so the global batch grew and an epoch has fewer "
+                    f"optimizer steps than trainer.estimated_stepping_batches counted: a learning-rate schedule "
+                    f"stepped per step and sized from it no longer reaches its end. Keep the default "
+                    f"keep_global_batch=True, or size the schedule in epochs."
+                )
             return dataloader
         return keep_epoch_length(rebatch(dataloader, self.batch0, replicas), self.batch0)
 
