@@ -250,8 +250,13 @@ def find_blocks(root: nn.Module, path: str | None = None) -> BlockSplit:
 def _without_aliases(
     post: list[tuple[str, nn.Module]], pre: list[tuple[str, nn.Module]], blocks: nn.Module
 ) -> list[tuple[str, nn.Module]]:
-    """``post`` without second names of modules of ``pre`` or of the blocks (``self.backbone =
-    self.model.embeddings``, as Lightning's ``BackboneFinetuning`` asks for): such a module runs
-    where its first name puts it."""
+    """``post`` without second names of modules of ``pre`` or of the blocks, or of a module that holds
+    the block list (``self.backbone = self.model.bert``, as Lightning's ``BackboneFinetuning`` asks
+    for): such a module runs where its first name puts it. (A head holding the embedding module it
+    is tied to stays: it holds no block list.)"""
     earlier = {id(m) for _, module in pre for m in module.modules()} | {id(m) for m in blocks.modules()}
-    return [(name, module) for name, module in post if id(module) not in earlier]
+    return [
+        (name, module)
+        for name, module in post
+        if id(module) not in earlier and not any(m is blocks for m in module.modules())
+    ]

@@ -200,7 +200,8 @@ def test_a_second_name_of_the_embeddings_after_the_blocks_does_not_keep_them_tra
     module = tm.TinySequentialRegressor()
     module.backbone = module.model.embed
     module.last_block = module.model.blocks[-1]
-    split = find_blocks(module)
+    module.whole = module.model  # a name for the module that holds the blocks
+    split = find_blocks(module, "model.blocks")
     assert [name for name, _ in split.post] == ["model.norm", "model.head"]
     prefix = split.prefix_parameters(1)
     assert all(any(p is q for q in prefix) for p in module.model.embed.parameters())

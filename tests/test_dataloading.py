@@ -150,11 +150,11 @@ def test_the_batches_a_dealt_loader_gives_a_replica_are_what_torch_gives(samples
         ) == len(loader)
 
 
-def test_more_replicas_without_keeping_the_global_batch_warn_of_shorter_epochs():
+def test_more_replicas_without_keeping_the_global_batch_warn_that_epochs_change_length():
     autodp = AutoDP(keep_global_batch=False)
     autodp.reset(world_size=2)
     train = DataLoader(list(range(32)), batch_size=4, sampler=DistributedSampler(list(range(32)), 1, 0))
     autodp.reshard(train, 1, 0)
-    with pytest.warns(UserWarning, match="fewer optimizer steps than trainer.estimated_stepping_batches"):
+    with pytest.warns(UserWarning, match="another number of optimizer steps than trainer.estimated_stepping_batches"):
         dealt = autodp.reshard(train, 2, 0)
     assert len(dealt) == 4  # 16 of the 32 samples, in batches of 4

@@ -76,7 +76,7 @@ class AutoDP:
         self.batch0: tuple[int | None, int] | None = None  # the user's batch size, and the replicas it was for
         self.fixed_replicas: int | None = None  # the training samples cannot be dealt to other replicas
         self.batch_norm_replicas: int | None = None  # batch norms in training normalize each replica's batch
-        self._warned_shorter_epochs = False
+        self._warned_epoch_length = False
         self.validation: dict[DealtLoader, float] = {}  # fit's validation loaders, and a float limit_val_batches
         self.moving = False  # blocks are changing hands
         self.world_size = 1
@@ -84,6 +84,7 @@ class AutoDP:
     def reset(self, world_size: int) -> None:
         self.batch0, self.fixed_replicas, self.moving, self.world_size = None, None, False, world_size
         self.batch_norm_replicas = None
+        self._warned_epoch_length = False
         self.validation.clear()
 
     def accepts(self, layout: Layout) -> bool:
@@ -133,14 +134,14 @@ class AutoDP:
         if replicas == self.batch0[1]:
             return dataloader
         if not self.keep_global_batch:
-            if not self._warned_shorter_epochs:
-                self._warned_shorter_epochs = True
+            if not self._warned_epoch_length:
+                self._warned_epoch_length = True
                 rank_zero_warn(
                     f"ElasticPipelineStrategy(keep_global_batch=False): {replicas} replicas (the run began with "
-                    f"{self.batch0[1]}) each keep the batch size, so the global batch grew and an epoch has fewer "
-                    f"optimizer steps than trainer.estimated_stepping_batches counted: a learning-rate schedule "
-                    f"stepped per step and sized from it no longer reaches its end. Keep the default "
-                    f"keep_global_batch=True, or size the schedule in epochs."
+                    f"{self.batch0[1]}) each keep the batch size, so the global batch changed and an epoch has "
+                    f"another number of optimizer steps than trainer.estimated_stepping_batches counted: a "
+                    f"learning-rate schedule stepped per step and sized from it no longer ends with the run. Keep "
+                    f"the default keep_global_batch=True, or size the schedule in epochs."
                 )
             return dataloader
         return keep_epoch_length(rebatch(dataloader, self.batch0, replicas), self.batch0)

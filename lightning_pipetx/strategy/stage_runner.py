@@ -94,7 +94,7 @@ def _sends(kind: str, i: int, stage: int, num_stages: int, changed: Set[int]) ->
     if kind == "F" and stage < num_stages - 1:
         stand_in = [Op(True, stage + 1, ("act", i, "stand-in"))] if i > 0 and i in changed else []
         return [Op(True, stage + 1, ("act", i, "header")), *stand_in, Op(True, stage + 1, ("act", i, "payload"))]
-    if kind == "B" and stage > 0:
+    if kind == "B" and stage > 0:  # with, once, the answer about extra elements (BoundaryExtras), alike
         return [Op(True, stage - 1, ("grad", i, ""))]
     return []
 

@@ -34,10 +34,12 @@ class StageStream:
         self._cpu = torch.Generator().manual_seed(seed).get_state()
         self._on_device = None
         if self._backend is not None:  # seeded as the process's own, then put back: one state format
-            saved = self._backend.get_rng_state(device)
-            self._backend.manual_seed(seed)  # the current device: the strategy's root device
-            self._on_device = self._backend.get_rng_state(device)
-            self._backend.set_rng_state(saved, device)
+            on_device = getattr(self._backend, "device", None)  # a context that makes ``device`` current
+            with contextlib.nullcontext() if on_device is None else on_device(device):
+                saved = self._backend.get_rng_state(device)
+                self._backend.manual_seed(seed)  # seeds the current device
+                self._on_device = self._backend.get_rng_state(device)
+                self._backend.set_rng_state(saved, device)
 
     @contextlib.contextmanager
     def drawing(self) -> Iterator[None]:
