@@ -609,3 +609,21 @@ def test_an_optimizer_without_a_learning_rate_trains():
     trainer = tm.make_trainer([], max_epochs=2, strategy=ElasticPipelineStrategy())
     trainer.fit(module, recipes_loader(8))
     assert trainer.global_step == 8
+
+
+def _fit_vit_bf16(strategy):
+    pl.seed_everything(0, verbose=False)
+    module = tm.TinyViTClassifier(seed=0, dropout=0.1)  # timm's attention: scaled_dot_product_attention
+    data = tm.RandomImageDataset(size=32, seed=1)
+    order = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)  # DDP's
+    trainer = tm.make_trainer([], max_epochs=1, strategy=strategy, precision="bf16-mixed")
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8, sampler=order))
+    return module.state_dict()
+
+
+def test_backwards_run_outside_autocast_as_lightning_runs_them():
+    # Under autocast the backward of attention with dropout computes in bfloat16 what Lightning's computes in float32.
+    plain = _fit_vit_bf16("auto")
+    ours = _fit_vit_bf16(ElasticPipelineStrategy(cache=False))
+    for key, expected in plain.items():
+        torch.testing.assert_close(ours[key], expected, atol=0, rtol=0, msg=key)

@@ -300,6 +300,11 @@ class StageRunner:
 
     # ----------------------------------------------------------- backward
     def _backward(self, flight: _InFlight, loss_weight: float, grads: list[torch.Tensor]) -> list:
+        # The schedule runs inside the precision plugin's autocast; Lightning runs backwards outside it.
+        with torch.autocast(self.channel.device.type, enabled=False):
+            return self._backward_without_autocast(flight, loss_weight, grads)
+
+    def _backward_without_autocast(self, flight: _InFlight, loss_weight: float, grads: list[torch.Tensor]) -> list:
         topo = self.topology
         if topo.is_last_stage:
             loss = flight.loss
