@@ -51,6 +51,7 @@ from lightning_pipetx.strategy.loss_scaling import agreeing_scaler
 from lightning_pipetx.strategy.metric_sync import PipelineMetrics
 from lightning_pipetx.strategy.model_checks import (
     CollectedOutputChecks,
+    batch_norm_names,
     microbatches_for_training,
     refuse_diverging_learning_rates,
     refuse_manual_optimization,
@@ -58,7 +59,6 @@ from lightning_pipetx.strategy.model_checks import (
     refuse_shared_block_weights,
     refuse_shared_layers,
     refuse_unconverted_batch_norms,
-    training_batch_norms,
 )
 from lightning_pipetx.strategy.options import check_arguments
 from lightning_pipetx.strategy.param_store import ParamStore
@@ -392,7 +392,8 @@ class ElasticPipelineStrategy(DDPStrategy):
             return  # the ablation: blocks freeze in place, the layout stays
         self._take_profile(engine)
         previous, self._frozen = self._frozen, frozen_blocks
-        self._autodp.keep_replicas_for_batch_norms(training_batch_norms(self.lightning_module), engine.layout.replicas)
+        training_norms = batch_norm_names(self.lightning_module, training_only=True)
+        self._autodp.keep_replicas_for_batch_norms(training_norms, engine.layout.replicas)
         new_plan = self._plan(frozen_blocks)
         if new_plan is None:  # no layout is left for this prefix: it freezes in place, as with elastic=False
             if self.is_global_zero:

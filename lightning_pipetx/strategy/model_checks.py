@@ -58,13 +58,14 @@ class UnsupportedRecipeError(ValueError):
     """A Trainer or module option that the strategy would run differently from Lightning's DDP."""
 
 
-def batch_norm_names(module: nn.Module) -> list[str]:
-    return [name for name, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-
-
-def training_batch_norms(module: nn.Module) -> list[str]:
-    """Batch norms of ``module`` in training mode (each normalizes its batch by the batch's statistics)."""
-    return [name for name, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+def batch_norm_names(module: nn.Module, training_only: bool = False) -> list[str]:
+    """Batch norms of ``module``; ``training_only``: those in training mode (each normalizes its
+    batch by the batch's statistics)."""
+    return [
+        name
+        for name, m in module.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or not training_only)
+    ]
 
 
 def microbatches_for_training(num_microbatches: int | str, module: nn.Module) -> int | str:
@@ -262,12 +263,14 @@ class CollectedOutputChecks:
         self._handles: list[Any] = []
         self._wrapped: list[nn.Module] = []
         self._forcing = 0  # calls running whose forward asks its inner model for hidden states regardless
+        self._forcing_models: set[int] = set()  # ids of the models whose forward does so
 
     def install(self) -> None:
         for module in self.root.modules():
             if _is_hf_model(module):
                 self._handles.append(module.register_forward_pre_hook(self._check_call, with_kwargs=True))
                 if _forces_hidden_states(module):
+                    self._forcing_models.add(id(module))
                     self._handles.append(module.register_forward_hook(self._forcing_ends, always_call=True))
             elif callable(getattr(type(module), "forward_intermediates", None)):
                 original = module.forward_intermediates
@@ -280,6 +283,7 @@ class CollectedOutputChecks:
         for module in self._wrapped:
             module.__dict__.pop("forward_intermediates", None)
         self._handles, self._wrapped = [], []
+        self._forcing_models.clear()
 
     def _check_call(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         forced = self._forcing > 0  # the caller's own request was checked at its call
@@ -287,7 +291,7 @@ class CollectedOutputChecks:
             asked = kwargs.get(flag) and not (forced and flag == "output_hidden_states")
             if asked or getattr(module.config, flag, False):
                 self.on_request(type(module).__name__, flag)
-        if _forces_hidden_states(module):
+        if id(module) in self._forcing_models:
             if getattr(module.config, LAYER_SUM_SWITCH, False):
                 self.on_request(type(module).__name__, LAYER_SUM_SWITCH)
             self._forcing += 1
