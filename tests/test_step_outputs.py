@@ -103,21 +103,45 @@ def test_an_exception_on_every_rank_leaves_the_whole_model_on_every_rank(excepti
         assert torch.isfinite(value.float()).all(), name
         torch.testing.assert_close(weights[1][name], value, rtol=0, atol=0, msg=name)
         assert not torch.equal(value, initial[name.removeprefix("model.")]), f"{name} was not trained"
-    # The user saves the weights: each rank holds its own blocks' optimizer state only.
+    # The user saves the weights, then everything: the optimizer state is gathered over the
+    # group the ranks agreed in (under a KeyboardInterrupt the world's group is closed).
     saved = torch.load(tmp_path / "after_failure.ckpt", weights_only=True)["state_dict"]
     assert saved.keys() == weights[0].keys()
+    full = torch.load(tmp_path / "full_after_failure.ckpt", weights_only=True)
     for name, value in weights[0].items():
         torch.testing.assert_close(saved[name], value, rtol=0, atol=0, msg=name)
-    for report in _reports(tmp_path, "fail_all", 2):
-        assert (
-            "after a fit that stopped on an error" in report["full_save"] and "weights_only=True" in report["full_save"]
-        )
-    assert not (tmp_path / "refused.ckpt").exists()
+        torch.testing.assert_close(full["state_dict"][name], value, rtol=0, atol=0, msg=name)
     # Lightning's OnExceptionCheckpoint saved the whole model as the run stopped on every rank.
-    caught = torch.load(tmp_path / "on_exception.ckpt", weights_only=True)["state_dict"]
-    assert caught.keys() == weights[0].keys()
+    caught = torch.load(tmp_path / "on_exception.ckpt", weights_only=True)
+    assert caught["state_dict"].keys() == weights[0].keys()
     for name, value in weights[0].items():
-        torch.testing.assert_close(caught[name], value, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(caught["state_dict"][name], value, rtol=0, atol=0, msg=name)
+    # Both hold every weight's optimizer state, the same.
+    assert len(caught["optimizer_states"][0]["state"]) == len(weights[0])
+    torch.testing.assert_close(full["optimizer_states"], caught["optimizer_states"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("pipeline_length", ["2", "1"])
+def test_a_ctrl_c_while_a_rank_waits_inside_gloo_still_saves_and_restores_the_whole_model(pipeline_length, tmp_path):
+    # Rank 1, running Python, is interrupted at once; rank 0 waits inside gloo for it (2x1: for the
+    # hidden state; 1x2: in the gradient all-reduce), where the signal reaches it only when the wait
+    # ends (the 90 s timeout): longer than the failure agreement waits (30 s), unless rank 1 wakes it.
+    run_workers("outputs_worker.py", 2, str(tmp_path), "ctrl_c", pipeline_length, timeout=240)
+    reports = _reports(tmp_path, "ctrl_c", 2)
+    assert [r["stopped_by"] for r in reports] == ["SystemExit"] * 2
+    assert all(r["seconds"] < 60 for r in reports)
+    weights = [torch.load(tmp_path / f"weights_rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+    initial = tiny_bert(seed=0, dropout=0.0).state_dict()
+    for name, value in weights[0].items():
+        assert torch.isfinite(value.float()).all(), name
+        torch.testing.assert_close(weights[1][name], value, rtol=0, atol=0, msg=name)
+        assert not torch.equal(value, initial[name.removeprefix("model.")]), f"{name} was not trained"
+    # OnExceptionCheckpoint wrote the whole model, and every weight's optimizer state.
+    caught = torch.load(tmp_path / "on_exception.ckpt", weights_only=True)
+    assert caught["state_dict"].keys() == weights[0].keys()
+    for name, value in weights[0].items():
+        torch.testing.assert_close(caught["state_dict"][name], value, rtol=0, atol=0, msg=name)
+    assert len(caught["optimizer_states"][0]["state"]) == len(weights[0])
 
 
 def test_a_checkpoint_on_an_exception_that_one_rank_raised_is_refused_instead_of_hanging(tmp_path):

@@ -34,9 +34,17 @@ def _param_indices(optimizer: Optimizer) -> dict[int, int]:
 
 
 def gather_optimizer_state(
-    optimizer: Optimizer, blocks: nn.Module, plan: Plan, rank: int, device: torch.device
+    optimizer: Optimizer,
+    blocks: nn.Module,
+    plan: Plan,
+    rank: int,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with every block's state, on global rank 0 (``{}`` elsewhere)."""
+    """``optimizer.state_dict()`` with every block's state, on global rank 0 (``{}`` elsewhere),
+    over ``group`` (the world's by default; a gloo group sends through the host)."""
+    if group is not None and dist.get_backend(group) == "gloo":
+        device = torch.device("cpu")
     state = optimizer.state_dict()
     layout = plan.layout
     if layout.world_size == 1:
@@ -49,10 +57,10 @@ def gather_optimizer_state(
         if rank == owner:
             wanted = [indices[id(p)] for i in range(start, end) for p in blocks[i].parameters() if id(p) in indices]
             entries = {i: {k: _to_cpu(v) for k, v in state["state"][i].items()} for i in wanted if i in state["state"]}
-            dist.send_object_list([entries], dst=0, device=device)
+            dist.send_object_list([entries], dst=0, group=group, device=device)
         else:
             message: list[Any] = [None]
-            dist.recv_object_list(message, src=owner, device=device)
+            dist.recv_object_list(message, src=owner, group=group, device=device)
             state["state"].update(message[0])
     if rank != 0:
         return {}

@@ -32,12 +32,11 @@ from lightning_pipetx.strategy.checkpoint import (
 from lightning_pipetx.strategy.dataloading import shards_one_index_space, stable_shards
 from lightning_pipetx.strategy.engine import PipelineEngine
 from lightning_pipetx.strategy.failure import (
-    CheckpointAfterFailureError,
     FailureAgreement,
-    agree_to_checkpoint_after_failure,
+    checkpoint_refused,
     explain_placeholder_write,
     explain_training_outputs,
-    restore_after_failure,
+    stop_after_failure,
 )
 from lightning_pipetx.strategy.host_memory import reuse_for_training
 from lightning_pipetx.strategy.lightning_compat import (
@@ -64,7 +63,7 @@ from lightning_pipetx.strategy.options import check_arguments
 from lightning_pipetx.strategy.param_store import ParamStore
 from lightning_pipetx.strategy.predictions import QuietWriters, gather_trainer_predictions, input_rows
 from lightning_pipetx.strategy.recipe_checks import check_fit_recipe, refuse_collected_outputs, refuse_repeated_closure
-from lightning_pipetx.strategy.topology import Layout
+from lightning_pipetx.strategy.topology import Layout, Topology
 from lightning_pipetx.strategy.transition import drop_optimizer_state
 
 log = logging.getLogger("lightning_pipetx")
@@ -197,6 +196,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._predict_rows: dict[int, list[int | None]] = {}  # per predict dataloader: each input batch's samples
         self._quiet_writers = QuietWriters()
         self._agreement: FailureAgreement | None = None
+        self._stopped_topology: Topology | None = None  # the engine's, once an exception stopped it
         self._restored_profile: list[float] | None = None  # block costs from the checkpoint resumed
         self._loader_rebuild = LoaderRebuild()
         self._batch_keys: tuple[Any, Any] = (None, None)  # AutoCache's sample indices of this batch and the next
@@ -302,6 +302,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._autocache.begin_fit()
         self._run_token = self.broadcast(uuid.uuid4().hex[:12] if self.is_global_zero else None)
         self._private_sites = False
+        if self._agreement is not None:  # the last run's, which stopped on an exception
+            self._agreement.close()
         self._agreement = FailureAgreement(self.world_size, self.timeout)
         fitting = trainer.state.fn == TrainerFn.FITTING
         microbatches = self.num_microbatches
@@ -458,6 +460,9 @@ class ElasticPipelineStrategy(DDPStrategy):
     def barrier(self, name: str | None = None) -> None:
         if name is not None and name.endswith("_dataloader()"):  # a loop about to build its loaders
             self._loaders_named = name.removesuffix("_dataloader()")
+        if self._failure_group is not None:  # the run stopped on an exception: the world's group may be out of step
+            dist.barrier(group=self._failure_group)
+            return
         super().barrier(name)
 
     def _builds_training_loaders(self, trainer: pl.Trainer) -> bool:
@@ -701,7 +706,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         plan = self._saving_plan()
         fitting = self.engine is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         self._last_run.check_optimizer_state(fitting)
-        return gather_optimizer_state(optimizer, self._split.blocks, plan, self.global_rank, self.root_device)
+        blocks, group = self._split.blocks, self._failure_group
+        return gather_optimizer_state(optimizer, blocks, plan, self.global_rank, self.root_device, group)
 
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Lightning's, keeping the block costs the saving run measured for :meth:`setup` (which follows)."""
@@ -751,11 +757,11 @@ class ElasticPipelineStrategy(DDPStrategy):
         """The plain module's ``state_dict``, with every block gathered on global rank 0 (which writes
         it); on the other ranks the blocks of other stages read NaN."""
         self._take_back_lent_blocks()
+        if self.engine is not None and self.lightning_module.trainer.state.status == TrainerStatus.INTERRUPTED:
+            self._stop_before_checkpoint()
         if self._plan_after_run() is not None:  # every rank holds every block
             return self.lightning_module.state_dict()
         engine = self._require_engine()
-        if self.lightning_module.trainer.state.status == TrainerStatus.INTERRUPTED:
-            self._agree_to_checkpoint_after_failure(engine)
         if engine.profiling_done:  # a checkpoint before the first freeze keeps the measured costs for a resume
             self._take_profile(engine)
         engine.share_updated_params(self.optimizers)
@@ -769,25 +775,46 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._store.lend(state, prefix)  # until save_checkpoint: on_save_checkpoint reads the whole model
         return state
 
-    def _agree_to_checkpoint_after_failure(self, engine: PipelineEngine) -> None:
-        try:
-            agree_to_checkpoint_after_failure(engine, self._agreement, self._autodp.moving)
-        except CheckpointAfterFailureError as error:
+    def _stop_before_checkpoint(self) -> None:
+        """A checkpoint as the run stops on an exception (Lightning's ``OnExceptionCheckpoint`` saves
+        before the strategy hears of it): stop the engine now, and refuse where the ranks did not agree."""
+        moving = self._autodp.moving
+        if not self._stop_after_failure():
+            error = checkpoint_refused(moving)
             # Raised in a callback's on_exception, it makes Lightning skip the strategy's hooks that follow.
             self.on_exception(error)
             self.teardown()
-            raise
+            raise error
+
+    def _stop_after_failure(self) -> bool:
+        """Close the engine after an exception; True where every rank holds the whole model again
+        (until teardown, a checkpoint then gathers the optimizer state over the agreement's group)."""
+        engine, store, trainer = self._require_engine(), self._store, self.lightning_module.trainer
+        self.engine, self._stopped_topology = None, engine.topology
+        self._last_run.failed = True
+        path, moving = self._split.path, self._autodp.moving
+        restored = stop_after_failure(engine, self._agreement, moving, store, self.global_rank, path, self.optimizers)
+        if restored or not store.released_blocks():  # this rank holds every block: weights can be saved
+            self._last_run.plan = engine.plan
+        self._last_run.fit = restored and trainer.state.fn == TrainerFn.FITTING
+        return restored
+
+    @property
+    def _failure_group(self) -> dist.ProcessGroup | None:
+        """The group collectives go over once the ranks agreed that the run stopped on an exception."""
+        agreement = self._agreement
+        return agreement.group if agreement is not None and agreement.agreed else None
 
     # ----------------------------------------------------------- teardown
     def on_exception(self, exception: BaseException) -> None:
         self._last_run.failed = True
         self._quiet_writers.exit()
-        engine = self.engine
-        if engine is not None:
-            length = engine.layout.pipeline_length
+        topology = self.engine.topology if self.engine is not None else self._stopped_topology
+        if topology is not None:
+            length = topology.pipeline_length
             wrote_placeholder = explain_placeholder_write(exception, length)
-            if not wrote_placeholder and not engine.topology.is_last_stage and self.lightning_module.trainer.training:
-                explain_training_outputs(exception, engine.topology.stage, length)
+            if not wrote_placeholder and not topology.is_last_stage and self.lightning_module.trainer.training:
+                explain_training_outputs(exception, topology.stage, length)
         super().on_exception(exception)
 
     def teardown(self) -> None:
@@ -804,11 +831,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._take_back_lent_blocks()
         if self.engine is not None:
             if self._last_run.failed:
-                store, path = self._store, self._split.path
-                rank = self.global_rank
-                restored = restore_after_failure(self.engine, self._agreement, self._autodp.moving, store, rank, path)
-                if restored or not store.released_blocks():  # this rank holds every block: weights can be saved
-                    self._last_run.plan = self.engine.plan
+                self._stop_after_failure()
             else:
                 trainer = self.lightning_module.trainer
                 if trainer.state.fn == TrainerFn.PREDICTING:  # here, as a replica without batches skips the hooks
@@ -818,10 +841,11 @@ class ElasticPipelineStrategy(DDPStrategy):
                 self._last_run.plan, self._last_run.fit = self.engine.plan, trainer.state.fn == TrainerFn.FITTING
             self.engine = None
         self._layout0 = None  # loaders built before the next setup are not this run's
-        if self._agreement is not None:
-            if not self._last_run.failed:
+        if self._agreement is not None and not self._agreement.agreed:  # an agreed one serves saves after the run
+            if not self._last_run.failed:  # else a peer may be out of step in it
                 self._agreement.close()
             self._agreement = None
+        self._stopped_topology = None
         restore_clipping(self.precision_plugin)
         super().teardown()
 

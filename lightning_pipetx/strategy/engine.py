@@ -26,11 +26,12 @@ from lightning_pipetx.strategy.microbatch import batch_size, join_outputs, split
 from lightning_pipetx.strategy.model_checks import UnsupportedRecipeError
 from lightning_pipetx.strategy.output_relay import OutputRelay
 from lightning_pipetx.strategy.p2p import Channel
-from lightning_pipetx.strategy.param_store import ParamStore, broadcast_, broadcast_all, gather_block_state
+from lightning_pipetx.strategy.param_store import ParamStore, broadcast_all, gather_block_state
 from lightning_pipetx.strategy.stage_hooks import BlockCalls, StageExit, StageHooks
 from lightning_pipetx.strategy.stage_runner import StageRunner, extract_loss, no_microbatch_context
 from lightning_pipetx.strategy.stage_streams import StageStream, stage_seed
 from lightning_pipetx.strategy.topology import Topology
+from lightning_pipetx.strategy.transition import broadcast_shared
 
 
 class PipelineEngine:
@@ -63,7 +64,9 @@ class PipelineEngine:
 
         self.hooks = StageHooks(split.blocks, start, end, self.topology.is_last_stage)
         self.hooks.install()
-        self.runner = StageRunner(self.topology, self.hooks, Channel(device, timeout))
+        self.runner = StageRunner(
+            self.topology, self.hooks, Channel(device, timeout, group=self.topology.transfer_group)
+        )
         self.relay = OutputRelay(module, split.path, self.topology, self.hooks, self.runner, device)
         if plan.layout.pipeline_length > 1:
             self.relay.install()
@@ -344,15 +347,18 @@ class PipelineEngine:
         if self.layout.world_size > 1:
             broadcast_all(self.pre_buffers, self.layout.rank(0, 0), group)
 
-    def restore_after_failure(self, group: dist.ProcessGroup) -> None:
+    def restore_after_failure(self, group: dist.ProcessGroup, optimizers: Sequence[Optimizer]) -> None:
         """The whole model on every rank after an exception that every rank took part in, over
-        ``group`` (the training groups may be out of step); optimizer state is not moved."""
-        for param in self.grad_sync.shared_params:
-            stage = self.grad_sync.owner_stage(param)
-            if stage is not None:
-                broadcast_(param.data, self.layout.rank(0, stage), group)
+        ``group`` (a gloo group: the training groups may be out of step); of the optimizer state,
+        only the shared weights' moves (each rank keeps its own blocks')."""
+        if self.layout.world_size > 1:
+            broadcast_shared(self.grad_sync.shared_params, self.grad_sync.owners(), list(optimizers), group=group)
         self.store.restore_all(self.layout, self.bounds, group)
         self.share_outer_buffers(group)
+
+    def training_groups(self) -> list[dist.ProcessGroup]:
+        """The process groups training waits in, the world's included."""
+        return [dist.group.WORLD, *self.topology.groups, *self.grad_sync.groups]
 
     def close(self, restore_weights: bool, destroy_groups: bool = True) -> None:
         """Remove the hooks; bring every block back on every rank; free the process groups."""

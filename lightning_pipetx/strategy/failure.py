@@ -2,15 +2,25 @@
 
 The exception ends the run on the rank that raised it; its peers may be alive, waiting on it,
 or dead, and the training process groups may be out of step. So the ranks first agree, over
-a gloo group of their own (created at setup and used for nothing else) and within a short
-window, that every rank is tearing down after an exception, in the same layout: an exception
-raised on every rank, or a KeyboardInterrupt. Then every block is restored on every rank
-through that group. Otherwise the rank's model stays incomplete, and an error is logged
-saying which blocks it lacks and to load the last checkpoint instead.
+a gloo group of their own (created at setup) and within a short window, that every rank is
+tearing down after an exception, in the same layout: an exception raised on every rank, or a
+KeyboardInterrupt. Then every block is restored on every rank through that group, and the
+checkpoints and barriers that follow (Lightning's ``OnExceptionCheckpoint``, a save after the
+run) go over it too, until the next run's set-up. Otherwise the rank's model stays incomplete,
+and an error is logged saying which blocks it lacks and to load the last checkpoint instead.
+
+A KeyboardInterrupt reaches a rank running Python at once, but a rank waiting inside gloo for
+that rank only when the wait ends (the process-group timeout). So an interrupted rank first
+closes its gloo connections in the training groups, the world's included (:func:`wake_peers`):
+a peer waiting on it returns from its wait with an error and takes its own pending
+KeyboardInterrupt, in time for the agreement. (Lightning exits after a KeyboardInterrupt; the
+world's group takes no collective after it.) NCCL offers no such thing: there, such a peer
+waits until the timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -28,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("lightning_pipetx")
 
 AGREEMENT_SECONDS = 30.0
+_WAKE_TAG = 0x7A3E  # a tag nothing sends: the receive posted to close a connection never completes
 
 
 class CheckpointAfterFailureError(RuntimeError):
@@ -42,6 +53,7 @@ class FailureAgreement:
         self.group = dist.new_group(backend="gloo", timeout=timeout) if world_size > 1 else None
         self.window = timedelta(seconds=min(AGREEMENT_SECONDS, timeout.total_seconds() / 3))
         self.broken = False  # an agreement timed out: the group is out of step for good
+        self.agreed = False  # every rank stopped alike: a checkpoint may gather over the group
 
     def every_rank_failed(self, state: int) -> bool:
         """True when every rank calls this within the window with the same ``state``."""
@@ -53,10 +65,12 @@ class FailureAgreement:
         gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
         try:
             dist.all_gather(gathered, mine, group=self.group, async_op=True).wait(self.window)
-        except RuntimeError:  # a peer is busy elsewhere, or gone
+        except RuntimeError as error:  # a peer is busy elsewhere, or gone
+            log.warning("pipetx: the ranks did not all report within %s that they stopped: %s", self.window, error)
             self.broken = True
             return False
-        return all(int(value) == state for value in gathered)
+        self.agreed = all(int(value) == state for value in gathered)
+        return self.agreed
 
     def close(self) -> None:
         if self.group is not None:
@@ -64,49 +78,76 @@ class FailureAgreement:
             self.group = None
 
 
-def log_incomplete_model(rank: int, released: list[int], path: str) -> None:
+def log_incomplete_model(rank: int, released: list[int], path: str, moving: bool) -> None:
     """Say that this rank's model lacks ``released`` blocks after a failed run."""
+    cause = "while blocks were moving between ranks for a new layout" if moving else "that not every rank took part in"
     log.error(
-        "pipetx: the run stopped on an error that not every rank took part in, so global rank %d could not get the "
-        "blocks it does not run back: its copy of the model lacks blocks %s of %r (their weights are NaN here), and "
-        "the weights it shares with other stages may lag behind. Do not use this model object; load the last "
-        "checkpoint instead (Model.load_from_checkpoint(path), or ckpt_path= to resume).",
+        "pipetx: the run stopped on an error %s, so global rank %d could not get the blocks it does not run back: "
+        "its copy of the model lacks blocks %s of %r (their weights are NaN here), and the weights it shares with "
+        "other stages may lag behind. Do not use this model object; load the last checkpoint instead "
+        "(Model.load_from_checkpoint(path), or ckpt_path= to resume).",
+        cause,
         rank,
         released,
         path,
     )
 
 
-def restore_after_failure(
+def wake_peers(groups: list[dist.ProcessGroup]) -> None:
+    """Close this rank's gloo connections in ``groups``, so that a peer waiting on this rank in
+    a transfer or collective of them raises now rather than at the timeout: a receive from each
+    peer that nothing answers, waited on for a millisecond (gloo closes a connection whose
+    operation times out). Groups without gloo are left alone."""
+    rank = dist.get_rank()
+    for group in groups:
+        if "gloo" not in str(dist.get_backend(group)):
+            continue
+        for peer in dist.get_process_group_ranks(group):
+            if peer == rank:
+                continue
+            with contextlib.suppress(RuntimeError):  # the expected timeout, or a peer already gone
+                dist.irecv(torch.zeros(1), src=peer, group=group, tag=_WAKE_TAG).wait(timedelta(milliseconds=1))
+
+
+def handling_keyboard_interrupt() -> bool:
+    """Whether this is called while a KeyboardInterrupt is being handled (Lightning calls the
+    hooks of an interrupted run from its ``except KeyboardInterrupt`` clause)."""
+    return isinstance(sys.exc_info()[1], KeyboardInterrupt)
+
+
+def stop_after_failure(
     engine: PipelineEngine,
     agreement: FailureAgreement | None,
     moving: bool,
     store: ParamStore,
     rank: int,
     path: str,
+    optimizers: list,
 ) -> bool:
     """Close ``engine`` after an exception: the whole model back on every rank where every rank
     stopped alike (the same layout, no transition under way; returns True), else log what this
     rank lacks."""
+    if handling_keyboard_interrupt() and engine.layout.world_size > 1:
+        wake_peers(engine.training_groups())
     engine.close(restore_weights=False, destroy_groups=False)  # the training groups may be out of step
     state = _stopped_state(engine, moving)
     if state >= 0 and agreement is not None and agreement.every_rank_failed(state):
-        engine.restore_after_failure(agreement.group)
-        agreement.close()
+        engine.restore_after_failure(agreement.group, optimizers)
         return True
     if store.released_blocks():
-        log_incomplete_model(rank, store.released_blocks(), path)
+        log_incomplete_model(rank, store.released_blocks(), path, moving)
     return False
 
 
-def agree_to_checkpoint_after_failure(engine: PipelineEngine, agreement: FailureAgreement | None, moving: bool) -> None:
-    """Before the collectives of a checkpoint taken as the run stops on an exception (Lightning's
-    ``OnExceptionCheckpoint``, which saves before the strategy hears of it): go on only where every
-    rank stopped alike, else raise instead of waiting for peers that are still training."""
-    state = _stopped_state(engine, moving)
-    if state >= 0 and (agreement is None or agreement.every_rank_failed(state)):
-        return
-    raise CheckpointAfterFailureError(
+def checkpoint_refused(moving: bool) -> CheckpointAfterFailureError:
+    """The error of a checkpoint asked for as the run stops on an exception where the ranks did not agree."""
+    if moving:
+        return CheckpointAfterFailureError(
+            "pipetx: trainer.save_checkpoint as the run stops on an exception raised while blocks were moving "
+            "between ranks for a new layout: no rank can tell which of them arrived, so the blocks cannot be "
+            "gathered and no checkpoint is written. Resume from the last checkpoint ModelCheckpoint saved."
+        )
+    return CheckpointAfterFailureError(
         "pipetx: trainer.save_checkpoint as the run stops on an exception that not every rank raised: the other "
         "ranks still train and wait for this one, so the blocks they hold cannot be gathered and no checkpoint "
         "is written. Under a pipeline, the code after the model call in training_step runs (and raises) on the "

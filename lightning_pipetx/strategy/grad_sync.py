@@ -307,15 +307,15 @@ class GradientSync:
         if not self._stale:
             return
         self._stale = False
-        broadcast_shared(self.shared_params, self._owners(), list(optimizers), self.device)
+        broadcast_shared(self.shared_params, self.owners(), list(optimizers), self.device)
 
     def share_weights(self) -> None:
         """Give every rank the current shared weights, without their optimizer state (which
         stays stale until :meth:`share`). A collective over the world."""
         if self._stale:
-            broadcast_shared(self.shared_params, self._owners(), [], self.device)
+            broadcast_shared(self.shared_params, self.owners(), [], self.device)
 
-    def _owners(self) -> dict[int, int]:
+    def owners(self) -> dict[int, int]:
         """The global rank each shared weight is copied from: replica 0's stage that updates it."""
         layout, owners = self.topology.layout, {}
         for param in self.shared_params:
@@ -324,14 +324,18 @@ class GradientSync:
                 owners[id(param)] = layout.rank(0, stage)
         return owners
 
+    @property
+    def groups(self) -> list[dist.ProcessGroup]:
+        """The process groups this object created that this rank belongs to."""
+        return [group for group in self._groups.values() if group is not dist.GroupMember.NON_GROUP_MEMBER]
+
     def close(self) -> None:
         """Remove the hooks and free the process groups this object created."""
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        for group in self._groups.values():
-            dist.destroy_process_group(group)
-        self._groups.clear()
+        while self._groups:  # one at a time: an interrupted close leaves the rest listed
+            dist.destroy_process_group(self._groups.popitem()[1])
 
     # --------------------------------------------------------- clipping
     def clip_by_norm(self, max_norm: float, optimizer: torch.optim.Optimizer) -> torch.Tensor:

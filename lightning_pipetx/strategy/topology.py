@@ -64,6 +64,9 @@ class Topology:
 
     ``stage_group``: this stage across replicas (gradient all-reduce, metric sync).
     ``replica_group``: this replica's stages (log replay, gradient-norm sum).
+    ``transfer_group``: the same ranks, for the hidden states and gradients between stages alone
+    (so that a rank stopping on a KeyboardInterrupt can close it, see
+    :func:`~lightning_pipetx.strategy.failure.wake_peers`, and leave the others usable).
     Groups are built collectively by every rank and destroyed with :meth:`destroy`, so a
     transition can replace the topology.
     """
@@ -76,9 +79,9 @@ class Topology:
         self.stage_group = self._build([layout.stage_ranks(s) for s in range(layout.pipeline_length)], timeout)[
             self.stage
         ]
-        self.replica_group = self._build([layout.replica_ranks(r) for r in range(layout.replicas)], timeout)[
-            self.replica
-        ]
+        replica_ranks = [layout.replica_ranks(r) for r in range(layout.replicas)]
+        self.replica_group = self._build(replica_ranks, timeout)[self.replica]
+        self.transfer_group = self._build(replica_ranks, timeout)[self.replica]
 
     def _build(self, rank_lists: list[list[int]], timeout: timedelta | None) -> list[dist.ProcessGroup | None]:
         groups = []
@@ -118,7 +121,11 @@ class Topology:
     def last_stage_rank(self) -> int:
         return self.layout.rank(self.replica, self.layout.pipeline_length - 1)
 
+    @property
+    def groups(self) -> list[dist.ProcessGroup]:
+        """The process groups this rank belongs to."""
+        return list(self._groups)
+
     def destroy(self) -> None:
-        for group in self._groups:
-            dist.destroy_process_group(group)
-        self._groups.clear()
+        while self._groups:  # one at a time: an interrupted destroy leaves the rest listed
+            dist.destroy_process_group(self._groups.pop())

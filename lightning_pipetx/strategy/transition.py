@@ -131,12 +131,19 @@ class BlockMover:
 
 
 def broadcast_shared(
-    params: list[nn.Parameter], owners: dict[int, int], optimizers: list[Optimizer], device: torch.device
+    params: list[nn.Parameter],
+    owners: dict[int, int],
+    optimizers: list[Optimizer],
+    device: torch.device | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> None:
     """Give every rank the up-to-date copy of the shared parameters that only some ranks
     update (``owners``: parameter id -> the global rank to copy from), with their optimizer
-    state. A collective over the world; every rank passes the same ``params`` and ``owners``."""
-    optimizer_of = {id(p): opt for opt in optimizers for group in opt.param_groups for p in group["params"]}
+    state. A collective over ``group`` (the world's by default; through the host for a gloo
+    group); every rank passes the same ``params`` and ``owners``."""
+    if device is None or (group is not None and dist.get_backend(group) == "gloo"):
+        device = torch.device("cpu")
+    optimizer_of = {id(p): opt for opt in optimizers for param_group in opt.param_groups for p in param_group["params"]}
     rank = dist.get_rank()
     for param in params:
         src = owners.get(id(param))
@@ -145,9 +152,9 @@ def broadcast_shared(
         optimizer = optimizer_of.get(id(param))
         state = optimizer.state.get(param) if optimizer is not None and rank == src else None
         message: list[Any] = [_state_meta(state, param) if rank == src else None]
-        dist.broadcast_object_list(message, src=src, device=device)
+        dist.broadcast_object_list(message, src=src, group=group, device=device)
         value = param.data.to(device)
-        dist.broadcast(value, src=src)
+        dist.broadcast(value, src=src, group=group)
         if rank != src:
             param.data.copy_(value)
         meta = message[0]
@@ -160,7 +167,7 @@ def broadcast_shared(
                 continue
             _, shape, dtype, on_param_device = spec
             tensor = state[key].to(device) if rank == src else torch.empty(shape, dtype=dtype, device=device)
-            dist.broadcast(tensor, src=src)
+            dist.broadcast(tensor, src=src, group=group)
             received[key] = tensor.to(param.device if on_param_device else torch.device("cpu"))
         if rank != src:
             optimizer.state[param] = received

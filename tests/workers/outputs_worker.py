@@ -7,11 +7,14 @@ Usage: torchrun --nproc_per_node=N outputs_worker.py OUT_DIR MODE, where MODE is
   train_list     (2 processes) training_step collects its losses in a list, read at epoch end
   fail_all EXC   (2 processes) every rank raises EXC (ValueError | KeyboardInterrupt) at epoch 0's end
   fail_one       (2 processes) the last stage raises in its third training step
+  ctrl_c LENGTH  (2 processes, pipeline_length LENGTH) a Ctrl-C reaches both ranks while rank 0
+                 waits inside gloo for rank 1 (2x1: its hidden state; 1x2: the gradient all-reduce)
 Every rank writes OUT_DIR/<MODE>_rank<N>.json (and, for fail_all, its weights).
 """
 
 import json
 import os
+import signal
 import sys
 import time
 from collections import defaultdict
@@ -120,6 +123,25 @@ class FailingLastStage(CollectedLosses):
         return loss
 
 
+class CtrlCWhileRank0Waits(CollectedLosses):
+    """Ctrl-C, as a terminal sends it to every process, in the third step, while global rank 0
+    waits inside gloo for rank 1, which runs Python (2x1: the first stage, before its model call;
+    1x2: the other replica, before its backward): rank 1 is interrupted at once, rank 0 only when
+    its wait ends."""
+
+    def __init__(self, out_dir):
+        super().__init__()
+        self.out_dir = out_dir
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2 and self.global_rank == 1:
+            time.sleep(2.0)  # rank 0 waits for this rank by now
+            with open(os.path.join(self.out_dir, "pid_rank0")) as f:
+                os.kill(int(f.read()), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        return super().training_step(batch, batch_idx)
+
+
 class RaiseAtEpochEnd(Callback):
     def __init__(self, exception):
         self.exception = exception
@@ -133,11 +155,14 @@ class LogShareCount(Callback):
         pl_module.seen["structure_messages"].append(trainer.strategy.engine.log_share.structure_messages)
 
 
-def trainer_for(devices, timeout=60, **kwargs):
+def trainer_for(devices, timeout=60, pipeline_length=2, **kwargs):
+    strategy = ElasticPipelineStrategy(
+        pipeline_length=pipeline_length, num_microbatches=2, timeout=timedelta(seconds=timeout)
+    )
     options = dict(
         accelerator="cpu",
         devices=devices,
-        strategy=ElasticPipelineStrategy(pipeline_length=2, num_microbatches=2, timeout=timedelta(seconds=timeout)),
+        strategy=strategy,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -231,10 +256,23 @@ def main():
             report["stopped_by"] = type(error).__name__
         torch.save(model.state_dict(), os.path.join(out_dir, f"weights_rank{rank}.pt"))
         trainer.save_checkpoint(os.path.join(out_dir, "after_failure.ckpt"), weights_only=True)
+        trainer.save_checkpoint(os.path.join(out_dir, "full_after_failure.ckpt"))
+    elif mode == "ctrl_c":
+        with open(os.path.join(out_dir, f"pid_rank{rank}"), "w") as f:
+            f.write(str(os.getpid()))
+        model = CtrlCWhileRank0Waits(out_dir)
+        on_exception = OnExceptionCheckpoint(out_dir, filename="on_exception")
+        length = int(sys.argv[3])
+        trainer = trainer_for(
+            2, 90, length, max_epochs=1, callbacks=[on_exception], **checkpointed_on_exception(out_dir)
+        )
+        start = time.monotonic()
         try:
-            trainer.save_checkpoint(os.path.join(out_dir, "refused.ckpt"))
-        except RuntimeError as error:
-            report["full_save"] = str(error)
+            trainer.fit(model, loader(32, 4, 1))
+        except SystemExit as error:  # how Lightning ends a run after a KeyboardInterrupt
+            report["stopped_by"] = type(error).__name__
+        report["seconds"] = time.monotonic() - start
+        torch.save(model.state_dict(), os.path.join(out_dir, f"weights_rank{rank}.pt"))
     elif mode == "fail_one_checkpointed":  # Lightning's OnExceptionCheckpoint saves before the strategy hears of it
         on_exception = OnExceptionCheckpoint(out_dir, filename="on_exception")
         try:
