@@ -142,6 +142,11 @@ def test_a_ctrl_c_while_a_rank_waits_inside_gloo_still_saves_and_restores_the_wh
     for name, value in weights[0].items():
         torch.testing.assert_close(caught["state_dict"][name], value, rtol=0, atol=0, msg=name)
     assert len(caught["optimizer_states"][0]["state"]) == len(weights[0])
+    # ModelCheckpoint(save_on_exception=True, save_last=True) saved too: its file_exists vote and
+    # broadcasts went over the group the ranks agreed in.
+    assert sorted(path.name for path in (tmp_path / "saved").iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    last = torch.load(tmp_path / "saved" / "last.ckpt", weights_only=True)
+    torch.testing.assert_close(last["state_dict"], caught["state_dict"], rtol=0, atol=0)
 
 
 def test_a_checkpoint_on_an_exception_that_one_rank_raised_is_refused_instead_of_hanging(tmp_path):

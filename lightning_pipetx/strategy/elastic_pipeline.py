@@ -36,6 +36,7 @@ from lightning_pipetx.strategy.failure import (
     checkpoint_refused,
     explain_placeholder_write,
     explain_training_outputs,
+    holds_whole_model,
     stop_after_failure,
 )
 from lightning_pipetx.strategy.host_memory import reuse_for_training
@@ -457,6 +458,13 @@ class ElasticPipelineStrategy(DDPStrategy):
             self.engine.cache = opened
         return dataloader
 
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self._failure_group is None:
+            return super().broadcast(obj, src)
+        message = [obj]  # the run stopped on an exception: the world's group may be out of step
+        dist.broadcast_object_list(message, src, group=self._failure_group)
+        return message[0]
+
     def barrier(self, name: str | None = None) -> None:
         if name is not None and name.endswith("_dataloader()"):  # a loop about to build its loaders
             self._loaders_named = name.removesuffix("_dataloader()")
@@ -686,8 +694,9 @@ class ElasticPipelineStrategy(DDPStrategy):
         if not (dist.is_available() and dist.is_initialized()):
             return decision
         voter = self.engine is None or self.engine.topology.is_last_stage
-        votes = torch.tensor([int(decision and voter), int(voter)], device=self.root_device)
-        dist.all_reduce(votes, op=ReduceOp.SUM)
+        group = self._failure_group  # gloo: on the host
+        votes = torch.tensor([int(decision and voter), int(voter)], device="cpu" if group else self.root_device)
+        dist.all_reduce(votes, op=ReduceOp.SUM, group=group)
         agree, voters = votes.tolist()
         return agree == voters if all else agree > 0
 
@@ -788,13 +797,13 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def _stop_after_failure(self) -> bool:
         """Close the engine after an exception; True where every rank holds the whole model again
-        (until teardown, a checkpoint then gathers the optimizer state over the agreement's group)."""
+        (until the next set-up, checkpoints then gather over the agreement's group)."""
         engine, store, trainer = self._require_engine(), self._store, self.lightning_module.trainer
         self.engine, self._stopped_topology = None, engine.topology
         self._last_run.failed = True
         path, moving = self._split.path, self._autodp.moving
         restored = stop_after_failure(engine, self._agreement, moving, store, self.global_rank, path, self.optimizers)
-        if restored or not store.released_blocks():  # this rank holds every block: weights can be saved
+        if restored or holds_whole_model(engine, moving):  # weights can be saved
             self._last_run.plan = engine.plan
         self._last_run.fit = restored and trainer.state.fn == TrainerFn.FITTING
         return restored

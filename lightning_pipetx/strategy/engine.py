@@ -64,9 +64,7 @@ class PipelineEngine:
 
         self.hooks = StageHooks(split.blocks, start, end, self.topology.is_last_stage)
         self.hooks.install()
-        self.runner = StageRunner(
-            self.topology, self.hooks, Channel(device, timeout, group=self.topology.transfer_group)
-        )
+        self.runner = StageRunner(self.topology, self.hooks, Channel(device, timeout))
         self.relay = OutputRelay(module, split.path, self.topology, self.hooks, self.runner, device)
         if plan.layout.pipeline_length > 1:
             self.relay.install()

@@ -13,9 +13,9 @@ A KeyboardInterrupt reaches a rank running Python at once, but a rank waiting in
 that rank only when the wait ends (the process-group timeout). So an interrupted rank first
 closes its gloo connections in the training groups, the world's included (:func:`wake_peers`):
 a peer waiting on it returns from its wait with an error and takes its own pending
-KeyboardInterrupt, in time for the agreement. (Lightning exits after a KeyboardInterrupt; the
-world's group takes no collective after it.) NCCL offers no such thing: there, such a peer
-waits until the timeout.
+KeyboardInterrupt, in time for the agreement. Once the ranks agreed, the strategy's barrier,
+broadcast and boolean reductions go over the agreement's group too (Lightning's callbacks call
+them as the run stops). NCCL offers no such thing: there, such a peer waits until the timeout.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ _WAKE_TAG = 0x7A3E  # a tag nothing sends: the receive posted to close a connect
 
 
 class CheckpointAfterFailureError(RuntimeError):
-    """A checkpoint asked for as the run stops on an exception that not every rank raised."""
+    """A checkpoint asked for as the run stops on an exception that not every rank raised, or
+    that was raised while blocks moved between ranks for a new layout."""
 
 
 class FailureAgreement:
@@ -78,17 +79,17 @@ class FailureAgreement:
             self.group = None
 
 
-def log_incomplete_model(rank: int, released: list[int], path: str, moving: bool) -> None:
-    """Say that this rank's model lacks ``released`` blocks after a failed run."""
+def log_incomplete_model(rank: int, lacking: list[int], path: str, moving: bool) -> None:
+    """Say that this rank's model lacks the ``lacking`` blocks after a failed run."""
     cause = "while blocks were moving between ranks for a new layout" if moving else "that not every rank took part in"
     log.error(
         "pipetx: the run stopped on an error %s, so global rank %d could not get the blocks it does not run back: "
-        "its copy of the model lacks blocks %s of %r (their weights are NaN here), and the weights it shares with "
-        "other stages may lag behind. Do not use this model object; load the last checkpoint instead "
-        "(Model.load_from_checkpoint(path), or ckpt_path= to resume).",
+        "its copy of the model lacks blocks %s of %r (their weights are NaN or partly received here), and the "
+        "weights it shares with other stages may lag behind. Do not use this model object; load the last "
+        "checkpoint instead (Model.load_from_checkpoint(path), or ckpt_path= to resume).",
         cause,
         rank,
-        released,
+        lacking,
         path,
     )
 
@@ -134,9 +135,17 @@ def stop_after_failure(
     if state >= 0 and agreement is not None and agreement.every_rank_failed(state):
         engine.restore_after_failure(agreement.group, optimizers)
         return True
-    if store.released_blocks():
-        log_incomplete_model(rank, store.released_blocks(), path, moving)
+    if not holds_whole_model(engine, moving):
+        lacking = [i for i in range(len(store.blocks)) if moving or i not in engine.block_range]
+        log_incomplete_model(rank, lacking, path, moving)
     return False
+
+
+def holds_whole_model(engine: PipelineEngine, moving: bool) -> bool:
+    """Whether every rank holds every block whole without restoring them: no pipeline, and no
+    transition under way. (A block restored or moved half-way reads as held: its storage is
+    allocated before its data arrives.)"""
+    return not moving and engine.layout.pipeline_length == 1
 
 
 def checkpoint_refused(moving: bool) -> CheckpointAfterFailureError:

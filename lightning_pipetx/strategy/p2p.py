@@ -221,14 +221,13 @@ def _coalesced(ops: list[dist.P2POp]) -> list[CoalescedWork]:
         if op.op is dist.irecv:
             staging = torch.empty_like(op.tensor)
             staged.append((staging, op.tensor))
-            op = dist.P2POp(dist.irecv, staging, op.peer, group=op.group, tag=op.tag)
+            op = dist.P2POp(dist.irecv, staging, op.peer, tag=op.tag)
         posted.append(op)
     return [CoalescedWork(dist.batch_isend_irecv(posted), staged)]
 
 
 class Channel:
-    """Posts batches of sends and receives between this rank and its neighbours, in ``group``
-    (the world's by default; peers are global ranks)."""
+    """Posts batches of sends and receives between this rank and its neighbours."""
 
     def __init__(
         self,
@@ -236,10 +235,8 @@ class Channel:
         timeout: timedelta | None = None,
         strict: bool | None = None,
         coalesced: bool | None = None,
-        group: dist.ProcessGroup | None = None,
     ) -> None:
         self.device = device
-        self.group = group
         self.timeout = timeout or timedelta(minutes=30)
         self.strict = strict_mode() if strict is None else strict
         self.coalesced = os.environ.get(COALESCED_ENV, "0") == "1" if coalesced is None else coalesced
@@ -253,8 +250,8 @@ class Channel:
         if not sends and not recvs:
             return
         self.bytes_sent += sum(t.numel() * t.element_size() for t, _ in sends)
-        ops = [dist.P2POp(dist.isend, t, peer, group=self.group, tag=_TAG_DATA) for t, peer in sends]
-        ops += [dist.P2POp(dist.irecv, t, peer, group=self.group, tag=_TAG_DATA) for t, peer in recvs]
+        ops = [dist.P2POp(dist.isend, t, peer, tag=_TAG_DATA) for t, peer in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, tag=_TAG_DATA) for t, peer in recvs]
         works = _coalesced(ops) if self.coalesced else dist.batch_isend_irecv(ops)
         if len(works) == len(ops):  # a work per transfer (gloo)
             send_works, recv_works = works[: len(sends)], works[len(sends) :]
@@ -264,7 +261,7 @@ class Channel:
                 self._wait(work, peers, "a batch of hidden states or gradients")
             send_works, recv_works = [None] * len(sends), [None] * len(recvs)
         if self.strict:  # a send completes only when its receiver acknowledges it
-            send_works = [dist.irecv(torch.zeros(1), peer, group=self.group, tag=_TAG_ACK) for _, peer in sends]
+            send_works = [dist.irecv(torch.zeros(1), peer, tag=_TAG_ACK) for _, peer in sends]
         for work, (tensor, peer) in zip(send_works, sends):
             # Keep the tensor alive until the work completes (NCCL reads it asynchronously).
             if work is not None:
@@ -275,8 +272,7 @@ class Channel:
             if work is not None:
                 self._wait(work, peer, "a hidden state or gradient")
             if self.strict:
-                ack = dist.isend(torch.ones(1), peer, group=self.group, tag=_TAG_ACK)
-                self._outstanding.append((ack, peer, tensor))
+                self._outstanding.append((dist.isend(torch.ones(1), peer, tag=_TAG_ACK), peer, tensor))
         if self.strict:
             self.flush()  # a strict batch completes only when every receiver has taken its data
 

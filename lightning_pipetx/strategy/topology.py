@@ -64,9 +64,6 @@ class Topology:
 
     ``stage_group``: this stage across replicas (gradient all-reduce, metric sync).
     ``replica_group``: this replica's stages (log replay, gradient-norm sum).
-    ``transfer_group``: the same ranks, for the hidden states and gradients between stages alone
-    (so that a rank stopping on a KeyboardInterrupt can close it, see
-    :func:`~lightning_pipetx.strategy.failure.wake_peers`, and leave the others usable).
     Groups are built collectively by every rank and destroyed with :meth:`destroy`, so a
     transition can replace the topology.
     """
@@ -81,7 +78,6 @@ class Topology:
         ]
         replica_ranks = [layout.replica_ranks(r) for r in range(layout.replicas)]
         self.replica_group = self._build(replica_ranks, timeout)[self.replica]
-        self.transfer_group = self._build(replica_ranks, timeout)[self.replica]
 
     def _build(self, rank_lists: list[list[int]], timeout: timedelta | None) -> list[dist.ProcessGroup | None]:
         groups = []

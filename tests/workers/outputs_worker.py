@@ -23,7 +23,7 @@ from datetime import timedelta
 import lightning.pytorch as pl
 import torch
 import torchmetrics
-from lightning.pytorch.callbacks import Callback, OnExceptionCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 from tiny_models import NUM_LABELS, RandomTokenDataset, tiny_bert
 from torch.utils.data import DataLoader
 from worker_exit import run_worker
@@ -262,9 +262,10 @@ def main():
             f.write(str(os.getpid()))
         model = CtrlCWhileRank0Waits(out_dir)
         on_exception = OnExceptionCheckpoint(out_dir, filename="on_exception")
+        saved = ModelCheckpoint(os.path.join(out_dir, "saved"), save_on_exception=True, save_last=True)
         length = int(sys.argv[3])
         trainer = trainer_for(
-            2, 90, length, max_epochs=1, callbacks=[on_exception], **checkpointed_on_exception(out_dir)
+            2, 90, length, max_epochs=1, callbacks=[on_exception, saved], **checkpointed_on_exception(out_dir)
         )
         start = time.monotonic()
         try:
