@@ -91,33 +91,39 @@ def test_outputs_collected_in_training_step_fail_with_an_explanation(tmp_path):
     assert "the code after the model call runs on the last stage of each pipeline only" in output
 
 
+def _whole_trained_model_on_both_ranks(out):
+    """The weights both ranks saved after the failure: finite, equal, and trained."""
+    weights = [torch.load(out / f"weights_rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+    initial = tiny_bert(seed=0, dropout=0.0).state_dict()
+    for name, value in weights[0].items():
+        assert torch.isfinite(value.float()).all(), name
+        torch.testing.assert_close(weights[1][name], value, rtol=0, atol=0, msg=name)
+        assert not torch.equal(value, initial[name.removeprefix("model.")]), f"{name} was not trained"
+    return weights[0]
+
+
 @pytest.mark.parametrize("exception", ["ValueError", "KeyboardInterrupt"])
 def test_an_exception_on_every_rank_leaves_the_whole_model_on_every_rank(exception, tmp_path):
     run_workers("outputs_worker.py", 2, str(tmp_path), "fail_all", exception, timeout=240)
     assert [r["stopped_by"] for r in _reports(tmp_path, "fail_all", 2)] == [
         "SystemExit" if exception == "KeyboardInterrupt" else exception
     ] * 2
-    weights = [torch.load(tmp_path / f"weights_rank{rank}.pt", weights_only=True) for rank in (0, 1)]
-    initial = tiny_bert(seed=0, dropout=0.0).state_dict()
-    for name, value in weights[0].items():
-        assert torch.isfinite(value.float()).all(), name
-        torch.testing.assert_close(weights[1][name], value, rtol=0, atol=0, msg=name)
-        assert not torch.equal(value, initial[name.removeprefix("model.")]), f"{name} was not trained"
+    weights = _whole_trained_model_on_both_ranks(tmp_path)
     # The user saves the weights, then everything: the optimizer state is gathered over the
     # group the ranks agreed in (under a KeyboardInterrupt the world's group is closed).
     saved = torch.load(tmp_path / "after_failure.ckpt", weights_only=True)["state_dict"]
-    assert saved.keys() == weights[0].keys()
+    assert saved.keys() == weights.keys()
     full = torch.load(tmp_path / "full_after_failure.ckpt", weights_only=True)
-    for name, value in weights[0].items():
+    for name, value in weights.items():
         torch.testing.assert_close(saved[name], value, rtol=0, atol=0, msg=name)
         torch.testing.assert_close(full["state_dict"][name], value, rtol=0, atol=0, msg=name)
     # Lightning's OnExceptionCheckpoint saved the whole model as the run stopped on every rank.
     caught = torch.load(tmp_path / "on_exception.ckpt", weights_only=True)
-    assert caught["state_dict"].keys() == weights[0].keys()
-    for name, value in weights[0].items():
+    assert caught["state_dict"].keys() == weights.keys()
+    for name, value in weights.items():
         torch.testing.assert_close(caught["state_dict"][name], value, rtol=0, atol=0, msg=name)
     # Both hold every weight's optimizer state, the same.
-    assert len(caught["optimizer_states"][0]["state"]) == len(weights[0])
+    assert len(caught["optimizer_states"][0]["state"]) == len(weights)
     torch.testing.assert_close(full["optimizer_states"], caught["optimizer_states"], rtol=0, atol=0)
 
 
@@ -130,18 +136,13 @@ def test_a_ctrl_c_while_a_rank_waits_inside_gloo_still_saves_and_restores_the_wh
     reports = _reports(tmp_path, "ctrl_c", 2)
     assert [r["stopped_by"] for r in reports] == ["SystemExit"] * 2
     assert all(r["seconds"] < 60 for r in reports)
-    weights = [torch.load(tmp_path / f"weights_rank{rank}.pt", weights_only=True) for rank in (0, 1)]
-    initial = tiny_bert(seed=0, dropout=0.0).state_dict()
-    for name, value in weights[0].items():
-        assert torch.isfinite(value.float()).all(), name
-        torch.testing.assert_close(weights[1][name], value, rtol=0, atol=0, msg=name)
-        assert not torch.equal(value, initial[name.removeprefix("model.")]), f"{name} was not trained"
+    weights = _whole_trained_model_on_both_ranks(tmp_path)
     # OnExceptionCheckpoint wrote the whole model, and every weight's optimizer state.
     caught = torch.load(tmp_path / "on_exception.ckpt", weights_only=True)
-    assert caught["state_dict"].keys() == weights[0].keys()
-    for name, value in weights[0].items():
+    assert caught["state_dict"].keys() == weights.keys()
+    for name, value in weights.items():
         torch.testing.assert_close(caught["state_dict"][name], value, rtol=0, atol=0, msg=name)
-    assert len(caught["optimizer_states"][0]["state"]) == len(weights[0])
+    assert len(caught["optimizer_states"][0]["state"]) == len(weights)
     # ModelCheckpoint(save_on_exception=True, save_last=True) saved too: its file_exists vote and
     # broadcasts went over the group the ranks agreed in.
     assert sorted(path.name for path in (tmp_path / "saved").iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
