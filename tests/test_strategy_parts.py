@@ -660,7 +660,7 @@ def test_a_speech_classifier_asking_its_encoder_for_hidden_states_it_drops_is_no
     config = Wav2Vec2Config(
         hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, conv_dim=(8, 8),
         conv_stride=(4, 4), conv_kernel=(8, 8), num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2,
-        num_labels=2, classifier_proj_size=8,
+        num_labels=2, classifier_proj_size=8, layerdrop=0.0,  # LayerDrop would drop a layer's hidden state at random
     )  # fmt: skip
     model = Wav2Vec2ForSequenceClassification(config)
     heard = []
