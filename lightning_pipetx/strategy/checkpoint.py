@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 
 from lightning_pipetx.strategy.autopipe import Plan
 from lightning_pipetx.strategy.model_checks import UnsupportedRecipeError
-from lightning_pipetx.strategy.param_store import ParamStore
+from lightning_pipetx.strategy.param_store import ParamStore, collective_device
 
 
 def _param_indices(optimizer: Optimizer) -> dict[int, int]:
@@ -43,8 +43,7 @@ def gather_optimizer_state(
 ) -> dict[str, Any]:
     """``optimizer.state_dict()`` with every block's state, on global rank 0 (``{}`` elsewhere),
     over ``group`` (the world's by default; a gloo group sends through the host)."""
-    if group is not None and dist.get_backend(group) == "gloo":
-        device = torch.device("cpu")
+    device = collective_device(device, group)
     state = optimizer.state_dict()
     layout = plan.layout
     if layout.world_size == 1:

@@ -61,7 +61,7 @@ from lightning_pipetx.strategy.model_checks import (
     refuse_unconverted_batch_norms,
 )
 from lightning_pipetx.strategy.options import check_arguments
-from lightning_pipetx.strategy.param_store import ParamStore
+from lightning_pipetx.strategy.param_store import ParamStore, collective_device
 from lightning_pipetx.strategy.predictions import QuietWriters, gather_trainer_predictions, input_rows
 from lightning_pipetx.strategy.recipe_checks import check_fit_recipe, refuse_collected_outputs, refuse_repeated_closure
 from lightning_pipetx.strategy.topology import Layout, Topology
@@ -694,8 +694,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         if not (dist.is_available() and dist.is_initialized()):
             return decision
         voter = self.engine is None or self.engine.topology.is_last_stage
-        group = self._failure_group  # gloo: on the host
-        votes = torch.tensor([int(decision and voter), int(voter)], device="cpu" if group else self.root_device)
+        group = self._failure_group
+        votes = torch.tensor([int(decision and voter), int(voter)], device=collective_device(self.root_device, group))
         dist.all_reduce(votes, op=ReduceOp.SUM, group=group)
         agree, voters = votes.tolist()
         return agree == voters if all else agree > 0
@@ -798,11 +798,11 @@ class ElasticPipelineStrategy(DDPStrategy):
     def _stop_after_failure(self) -> bool:
         """Close the engine after an exception; True where every rank holds the whole model again
         (until the next set-up, checkpoints then gather over the agreement's group)."""
-        engine, store, trainer = self._require_engine(), self._store, self.lightning_module.trainer
+        engine, trainer = self._require_engine(), self.lightning_module.trainer
         self.engine, self._stopped_topology = None, engine.topology
         self._last_run.failed = True
         path, moving = self._split.path, self._autodp.moving
-        restored = stop_after_failure(engine, self._agreement, moving, store, self.global_rank, path, self.optimizers)
+        restored = stop_after_failure(engine, self._agreement, moving, self.global_rank, path, self.optimizers)
         if restored or holds_whole_model(engine, moving):  # weights can be saved
             self._last_run.plan = engine.plan
         self._last_run.fit = restored and trainer.state.fn == TrainerFn.FITTING

@@ -350,7 +350,8 @@ class PipelineEngine:
         ``group`` (a gloo group: the training groups may be out of step); of the optimizer state,
         only the shared weights' moves (each rank keeps its own blocks')."""
         if self.layout.world_size > 1:
-            broadcast_shared(self.grad_sync.shared_params, self.grad_sync.owners(), list(optimizers), group=group)
+            sync = self.grad_sync
+            broadcast_shared(sync.shared_params, sync.owners(), list(optimizers), sync.device, group)
         self.store.restore_all(self.layout, self.bounds, group)
         self.share_outer_buffers(group)
 

@@ -33,7 +33,6 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from lightning_pipetx.strategy.engine import PipelineEngine
-    from lightning_pipetx.strategy.param_store import ParamStore
 
 log = logging.getLogger("lightning_pipetx")
 
@@ -120,7 +119,6 @@ def stop_after_failure(
     engine: PipelineEngine,
     agreement: FailureAgreement | None,
     moving: bool,
-    store: ParamStore,
     rank: int,
     path: str,
     optimizers: list,
@@ -136,7 +134,7 @@ def stop_after_failure(
         engine.restore_after_failure(agreement.group, optimizers)
         return True
     if not holds_whole_model(engine, moving):
-        lacking = [i for i in range(len(store.blocks)) if moving or i not in engine.block_range]
+        lacking = [i for i in range(engine.split.num_blocks) if moving or i not in engine.block_range]
         log_incomplete_model(rank, lacking, path, moving)
     return False
 

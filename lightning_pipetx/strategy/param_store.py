@@ -29,10 +29,15 @@ def _placeholder(param: nn.Parameter) -> torch.Tensor:
     return torch.full((), fill, dtype=param.dtype, device=param.device).expand(param.shape)
 
 
+def collective_device(device: torch.device, group: dist.ProcessGroup | None) -> torch.device:
+    """Where a collective over ``group`` takes tensors of ``device``: the host for a gloo group."""
+    return torch.device("cpu") if group is not None and dist.get_backend(group) == "gloo" else device
+
+
 def broadcast_(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:
     """Broadcast ``tensor`` in place from global rank ``src``; through the host when ``group``
     is a gloo group and the tensor is on a GPU."""
-    if tensor.is_cuda and group is not None and dist.get_backend(group) == "gloo":
+    if collective_device(tensor.device, group) != tensor.device:
         staged = tensor.cpu()
         dist.broadcast(staged, src=src, group=group)
         tensor.copy_(staged)

@@ -76,8 +76,9 @@ class Topology:
         self.stage_group = self._build([layout.stage_ranks(s) for s in range(layout.pipeline_length)], timeout)[
             self.stage
         ]
-        replica_ranks = [layout.replica_ranks(r) for r in range(layout.replicas)]
-        self.replica_group = self._build(replica_ranks, timeout)[self.replica]
+        self.replica_group = self._build([layout.replica_ranks(r) for r in range(layout.replicas)], timeout)[
+            self.replica
+        ]
 
     def _build(self, rank_lists: list[list[int]], timeout: timedelta | None) -> list[dist.ProcessGroup | None]:
         groups = []

@@ -21,7 +21,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_pipetx.strategy.autopipe import Plan
-from lightning_pipetx.strategy.param_store import ParamStore
+from lightning_pipetx.strategy.param_store import ParamStore, collective_device
 
 
 def _stage_of(plan: Plan) -> dict[int, int]:
@@ -134,15 +134,14 @@ def broadcast_shared(
     params: list[nn.Parameter],
     owners: dict[int, int],
     optimizers: list[Optimizer],
-    device: torch.device | None = None,
+    device: torch.device,
     group: dist.ProcessGroup | None = None,
 ) -> None:
     """Give every rank the up-to-date copy of the shared parameters that only some ranks
     update (``owners``: parameter id -> the global rank to copy from), with their optimizer
     state. A collective over ``group`` (the world's by default; through the host for a gloo
     group); every rank passes the same ``params`` and ``owners``."""
-    if device is None or (group is not None and dist.get_backend(group) == "gloo"):
-        device = torch.device("cpu")
+    device = collective_device(device, group)
     optimizer_of = {id(p): opt for opt in optimizers for param_group in opt.param_groups for p in param_group["params"]}
     rank = dist.get_rank()
     for param in params:
