@@ -114,11 +114,14 @@ def test_registered_names_launch(mode, tmp_path):
         assert report["strategy"] == "ElasticPipelineStrategy"
 
 
-def test_dead_peer_ends_the_run_with_a_clear_error(tmp_path):
+@pytest.mark.parametrize(
+    "mode, waiting_for", [("deadpeer", "a hidden state"), ("deadreplica", "a gradient all-reduce")]
+)
+def test_dead_peer_ends_the_run_with_a_clear_error(mode, waiting_for, tmp_path):
     start = time.monotonic()
-    output = run_workers("features_worker.py", 2, str(tmp_path), "deadpeer", expect_failure=True, timeout=240)
+    output = run_workers("features_worker.py", 2, str(tmp_path), mode, expect_failure=True, timeout=240)
     assert time.monotonic() - start < 200
-    assert "lost global rank 1" in output, output[-4000:]
+    assert f"lost global rank 1 while waiting for {waiting_for}" in output, output[-4000:]
 
 
 def test_weights_are_whole_after_the_run(four_ranks):

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_pipetx.strategy.p2p import lost_peer
+
 FIRST_BUCKET_BYTES = 2**20  # as DDP's first bucket
 
 
@@ -124,7 +126,10 @@ def wait_and_install(buckets: Iterable[Bucket]) -> None:
     """Wait for every bucket's all-reduce, then set the gradients (one host copy of all flags)."""
     buckets = [b for b in buckets if b.work is not None]
     for bucket in buckets:
-        bucket.work.wait()
+        try:
+            bucket.work.wait()
+        except RuntimeError as error:  # a replica died, or stopped answering within the group's timeout
+            raise lost_peer(_peers(bucket.group), "a gradient all-reduce", error) from error
     if not buckets:
         return
     present = torch.cat([b.flags() for b in buckets]).tolist()
@@ -171,3 +176,9 @@ def make_buckets(
     for key in list(open_):
         close(key)
     return [bucket for _, bucket in sorted(buckets, key=lambda item: item[0])]
+
+
+def _peers(group: dist.ProcessGroup | None) -> str:
+    """The other global ranks of ``group`` (None: the world), as text."""
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return " or ".join(str(rank) for rank in ranks if rank != dist.get_rank())

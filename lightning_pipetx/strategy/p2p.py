@@ -286,8 +286,14 @@ class Channel:
         try:
             work.wait(self.timeout)
         except RuntimeError as error:  # gloo and NCCL report a lost peer or a timeout as RuntimeError
-            raise PeerError(
-                f"rank {dist.get_rank()} lost global rank {peer} while waiting for {what}: {error}. "
-                f"That rank died or stopped answering within the process-group timeout "
-                f"(ElasticPipelineStrategy(timeout=...)); see its own log for the cause."
-            ) from error
+            raise lost_peer(peer, what, error) from error
+
+
+def lost_peer(peer: int | str, what: str, error: RuntimeError) -> PeerError:
+    """The error of a wait for ``what`` that ended in ``error``: ``peer`` (a global rank, or
+    several as text) died or stopped answering."""
+    return PeerError(
+        f"rank {dist.get_rank()} lost global rank {peer} while waiting for {what}: {error}. "
+        f"That rank died or stopped answering within the process-group timeout "
+        f"(ElasticPipelineStrategy(timeout=...)); see its own log for the cause."
+    )

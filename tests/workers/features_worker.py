@@ -5,6 +5,7 @@ Usage: features_worker.py OUT_DIR MODE, where MODE is
   spawn      (plain python; strategy="elastic_pipeline_spawn", 2 devices, bf16-mixed)
   popen      (plain python; strategy="elastic_pipeline", 2 devices, fast_dev_run)
   deadpeer   (launched by torchrun on 2 processes; global rank 1 dies in its third step)
+  deadreplica (the same with 2 replicas of one stage: rank 0 waits for it in the gradient all-reduce)
 Every rank writes what it saw to OUT_DIR/rank<N>.json.
 """
 
@@ -190,12 +191,13 @@ def main():
         report["fit"] = metrics(trainer)
         report["strategy"] = type(trainer.strategy).__name__
         report["layout"] = str(trainer.strategy.layout) if trainer.strategy.engine else None
-    elif mode == "deadpeer":
+    elif mode in ("deadpeer", "deadreplica"):
         model.die_at_step = 2
+        length = 2 if mode == "deadpeer" else 1  # 1: rank 0 waits in the gradient all-reduce
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=2,
-            strategy=ElasticPipelineStrategy(pipeline_length=2, timeout=timedelta(seconds=30)),
+            strategy=ElasticPipelineStrategy(pipeline_length=length, timeout=timedelta(seconds=30)),
             max_epochs=1,
             logger=False,
             enable_checkpointing=False,
