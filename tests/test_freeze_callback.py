@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import tiny_models as tm
 import torch
+from distributed import run_workers
 from lightning.pytorch.callbacks import BackboneFinetuning, BaseFinetuning, Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from torch import nn
@@ -1163,3 +1164,13 @@ def test_the_per_step_rows_use_a_float_the_device_holds():
 
     assert widest_float(torch.device("mps")) is torch.float32
     assert widest_float(torch.device("cpu")) is widest_float(torch.device("cuda", 0)) is torch.float64
+
+
+def test_gradient_norm_rows_of_a_stopped_run_count_the_steps_every_rank_recorded():
+    # Rank 0 recorded 3 steps, rank 1 only 2 (interrupted in its third). While the run trains that
+    # is a recipe error; once the ranks agreed that the run stopped, the third step is dropped.
+    output = run_workers("norms_worker.py", 2, "running", expect_failure=True, timeout=120)
+    assert "the ranks measured different numbers of optimizer steps (2 to 3)" in output
+    output = run_workers("norms_worker.py", 2, "stopped", timeout=120)
+    for rank in (0, 1):
+        assert f"rank {rank} sums [3.0, 3.0] steps 2" in output, output[-3000:]

@@ -150,6 +150,23 @@ def test_a_ctrl_c_while_a_rank_waits_inside_gloo_still_saves_and_restores_the_wh
     torch.testing.assert_close(last["state_dict"], caught["state_dict"], rtol=0, atol=0)
 
 
+def test_a_ctrl_c_while_a_rank_waits_in_the_old_layouts_group_after_a_transition_still_saves(tmp_path):
+    # A transition (2x2 -> 1x4) at the end of epoch 0: the epoch's values are reduced over the old
+    # layout's stage groups. Rank 1, running Python, is interrupted at once; its replica of the old
+    # stage waits for it there, where the signal reaches it only at the 90 s timeout, unless rank 1
+    # closes its connections in that group too. Every rank must join the failure agreement (30 s) in time.
+    run_workers("outputs_worker.py", 4, str(tmp_path), "ctrl_c_after_transition", timeout=300)
+    reports = _reports(tmp_path, "ctrl_c_after_transition", 4)
+    assert [r["layout_at_ctrl_c"] for r in reports] == ["1x4"] * 4
+    assert [r["stopped_by"] for r in reports] == ["SystemExit"] * 4
+    assert all(r["seconds"] < 80 for r in reports)
+    caught = torch.load(tmp_path / "on_exception.ckpt", weights_only=True)
+    initial = tiny_bert(seed=0, dropout=0.0).state_dict()
+    for name, value in caught["state_dict"].items():
+        assert torch.isfinite(value.float()).all(), name
+        assert not torch.equal(value, initial[name.removeprefix("model.")]), f"{name} was not trained"
+
+
 def test_a_checkpoint_on_an_exception_that_one_rank_raised_is_refused_instead_of_hanging(tmp_path):
     # OnExceptionCheckpoint saves before the strategy hears of the exception, on the rank that raised
     # it (the last stage, after the model call) while the other waits for it inside the pipeline.

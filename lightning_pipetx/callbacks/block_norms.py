@@ -8,6 +8,7 @@ step however many blocks there are, and no host read.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from lightning_pipetx.blocks import BlockSplit
 from lightning_pipetx.callbacks.freeze_context import all_reduce_max, all_reduce_min, widest_float
@@ -85,31 +86,34 @@ class IntervalNorms:
         if len(self.rows) >= ROWS_AGREED_AT_ONCE:  # on every rank at once: the same steps
             self.agree()
 
-    def agree(self) -> None:
+    def agree(self, stopped: dist.ProcessGroup | None = None) -> None:
         """Add the recorded steps that some rank measured and none saw overflow into the host totals
-        (one read of the device, collectives)."""
+        (one read of the device, collectives). ``stopped``: the group of ranks that agreed the run
+        stopped on an exception, where a rank interrupted in a step recorded one step fewer: the
+        steps every rank recorded count, the rest are dropped."""
         width = len(self.sums) + 2
         rows = torch.stack(self.rows).cpu().double() if self.rows else torch.zeros(0, width, dtype=torch.float64)
         self.rows = []
-        counts = all_reduce_max(torch.tensor([float(len(rows)), -float(len(rows))]))
-        if counts[0] != -counts[1]:
+        counts = all_reduce_max(torch.tensor([float(len(rows)), -float(len(rows))]), stopped)
+        if counts[0] != -counts[1] and stopped is None:
             raise RuntimeError(
                 f"FreezeCallback: the ranks measured different numbers of optimizer steps "
                 f"({int(-counts[1])} to {int(counts[0])}); every rank must step its optimizer at every batch."
             )
+        rows = rows[: int(-counts[1])]
         if len(rows) == 0:
             return
         # one collective: the minimum over the ranks of (finite, -measured) is (finite everywhere, -measured anywhere)
-        agreed = all_reduce_min(rows[:, -2:] * torch.tensor([1.0, -1.0]))
+        agreed = all_reduce_min(rows[:, -2:] * torch.tensor([1.0, -1.0]), stopped)
         counted = (agreed[:, 0] > 0) & (agreed[:, 1] < 0)
         self.sums += torch.where(counted[:, None], rows[:, :-2], 0.0).sum(0)
         self.steps += int(counted.sum())
 
-    def totals(self) -> tuple[torch.Tensor, int]:
-        """The sums per block and the steps they cover, over all ranks (collectives): under a
-        pipeline each rank measures the blocks it runs only."""
-        self.agree()
-        totals = all_reduce_max(torch.cat([self.sums, torch.tensor([float(self.steps)])]))
+    def totals(self, stopped: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, int]:
+        """The sums per block and the steps they cover, over all ranks (collectives, over ``stopped``
+        where given: see :meth:`agree`): under a pipeline each rank measures the blocks it runs only."""
+        self.agree(stopped)
+        totals = all_reduce_max(torch.cat([self.sums, torch.tensor([float(self.steps)])]), stopped)
         return totals[:-1], int(totals[-1])
 
     def reset(self) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -32,6 +33,7 @@ from lightning_pipetx.callbacks.freeze_context import (
     ran_every_batch,
     rewrap_ddp,
     skips_overflowed_steps,
+    stopped_group,
 )
 from lightning_pipetx.callbacks.freeze_guard import FreezeGuard, check_guard_arguments
 from lightning_pipetx.callbacks.freeze_rule import FreezeDecision, decide
@@ -117,6 +119,7 @@ class FreezeCallback(Callback):
         self.decisions = 0
         self.last_decision: FreezeDecision | None = None
         self._norms = IntervalNorms()
+        self._strategy: Any = None  # the trainer's, from setup
         self._split: BlockSplit | None = None
         self._frozen_params: list[torch.nn.Parameter] = []  # frozen by this fit, to stay so
         self._boundary = FreezeBoundary()
@@ -151,7 +154,7 @@ class FreezeCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._state_loaded = False  # until a checkpoint's state is loaded
         self._frozen_params = []
-        strategy = trainer.strategy
+        strategy = self._strategy = trainer.strategy
         if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
             raise ValueError(
                 f"FreezeCallback does not support {type(strategy).__name__}: it runs on a single device, under "
@@ -356,8 +359,8 @@ class FreezeCallback(Callback):
                     self.split.num_blocks,
                 )
 
-    def _mean_observed(self) -> float:
-        return float(all_reduce_mean(torch.tensor([self._observed]))[0])
+    def _mean_observed(self, group: dist.ProcessGroup | None = None) -> float:
+        return float(all_reduce_mean(torch.tensor([self._observed]), group)[0])
 
     def _decide(self, trainer: pl.Trainer, epoch: int) -> bool:
         """The rule's decision after ``epoch``; whether the prefix grew (not applied yet)."""
@@ -415,14 +418,15 @@ class FreezeCallback(Callback):
     def state_dict(self) -> dict[str, Any]:
         """The same on every rank, which Lightning calls it on (global rank 0 writes the file):
         the gradient norms of every rank's blocks, a collective."""
-        sums, steps = (None, 0) if self._norms.sums is None else self._norms.totals()
+        stopped = stopped_group(self._strategy)
+        sums, steps = (None, 0) if self._norms.sums is None else self._norms.totals(stopped)
         return {
             "frozen_blocks": self.frozen_blocks,
             "decisions": self.decisions,
             "norm_sums": None if sums is None else sums.tolist(),
             "norm_steps": steps,
             "guard": None if self.guard is None else self.guard.state_dict(),
-            "observed": None if self._observed is None else self._mean_observed(),  # not judged yet
+            "observed": None if self._observed is None else self._mean_observed(stopped),  # not judged yet
             **self._findings.state_dict(),
             "epochs_ended": self._epochs_ended,
         }

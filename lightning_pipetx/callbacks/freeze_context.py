@@ -70,31 +70,37 @@ def num_replicas(trainer: pl.Trainer) -> int:
     return int(kwargs.get("num_replicas", 1))
 
 
-def _all_reduce(values: torch.Tensor, op: Any) -> torch.Tensor:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+def stopped_group(strategy: Any) -> dist.ProcessGroup | None:
+    """The group collectives over every rank go over once ElasticPipelineStrategy's ranks agreed
+    that the run stopped on an exception (the world's may be out of step then); else None, the world's."""
+    return strategy.failure_group if isinstance(strategy, ElasticPipelineStrategy) else None
+
+
+def _all_reduce(values: torch.Tensor, op: Any, group: dist.ProcessGroup | None) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
         buffer = values.to(device=device or values.device, dtype=torch.float64)
-        dist.all_reduce(buffer, op=op)
+        dist.all_reduce(buffer, op=op, group=group)
         return buffer.to(values.device, torch.float64)
     return values.to(torch.float64)
 
 
-def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
+def all_reduce_max(values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The maximum over the ranks of what each saw (the norms of the blocks it trains, zeros
     elsewhere; the weights the first step read)."""
-    return _all_reduce(values, dist.ReduceOp.MAX)
+    return _all_reduce(values, dist.ReduceOp.MAX, group)
 
 
-def all_reduce_min(values: torch.Tensor) -> torch.Tensor:
+def all_reduce_min(values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The minimum over the ranks (a step's "no overflow" flags: one rank's overflow is everyone's)."""
-    return _all_reduce(values, dist.ReduceOp.MIN)
+    return _all_reduce(values, dist.ReduceOp.MIN, group)
 
 
-def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
+def all_reduce_mean(values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The mean over the ranks (every stage holds its replica's logged values: the mean over
     the ranks is the mean over the replicas)."""
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    return _all_reduce(values, dist.ReduceOp.SUM) / world
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    return _all_reduce(values, dist.ReduceOp.SUM, group) / world
 
 
 def agreed_block_path(own: str | None, strategy: Any) -> str | None:

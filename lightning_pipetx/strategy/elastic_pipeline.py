@@ -459,17 +459,17 @@ class ElasticPipelineStrategy(DDPStrategy):
         return dataloader
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if self._failure_group is None:
+        if self.failure_group is None:
             return super().broadcast(obj, src)
         message = [obj]  # the run stopped on an exception: the world's group may be out of step
-        dist.broadcast_object_list(message, src, group=self._failure_group)
+        dist.broadcast_object_list(message, src, group=self.failure_group)
         return message[0]
 
     def barrier(self, name: str | None = None) -> None:
         if name is not None and name.endswith("_dataloader()"):  # a loop about to build its loaders
             self._loaders_named = name.removesuffix("_dataloader()")
-        if self._failure_group is not None:  # the run stopped on an exception: the world's group may be out of step
-            dist.barrier(group=self._failure_group)
+        if self.failure_group is not None:  # the run stopped on an exception: the world's group may be out of step
+            dist.barrier(group=self.failure_group)
             return
         super().barrier(name)
 
@@ -694,7 +694,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         if not (dist.is_available() and dist.is_initialized()):
             return decision
         voter = self.engine is None or self.engine.topology.is_last_stage
-        group = self._failure_group
+        group = self.failure_group
         votes = torch.tensor([int(decision and voter), int(voter)], device=collective_device(self.root_device, group))
         dist.all_reduce(votes, op=ReduceOp.SUM, group=group)
         agree, voters = votes.tolist()
@@ -715,7 +715,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         plan = self._saving_plan()
         fitting = self.engine is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         self._last_run.check_optimizer_state(fitting)
-        blocks, group = self._split.blocks, self._failure_group
+        blocks, group = self._split.blocks, self.failure_group
         return gather_optimizer_state(optimizer, blocks, plan, self.global_rank, self.root_device, group)
 
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -802,15 +802,19 @@ class ElasticPipelineStrategy(DDPStrategy):
         self.engine, self._stopped_topology = None, engine.topology
         self._last_run.failed = True
         path, moving = self._split.path, self._autodp.moving
-        restored = stop_after_failure(engine, self._agreement, moving, self.global_rank, path, self.optimizers)
+        waited_in = self._metrics.waited_in()  # a reduction of the epoch's values logged before a transition
+        restored = stop_after_failure(
+            engine, self._agreement, moving, self.global_rank, path, self.optimizers, waited_in
+        )
         if restored or holds_whole_model(engine, moving):  # weights can be saved
             self._last_run.plan = engine.plan
         self._last_run.fit = restored and trainer.state.fn == TrainerFn.FITTING
         return restored
 
     @property
-    def _failure_group(self) -> dist.ProcessGroup | None:
-        """The group collectives go over once the ranks agreed that the run stopped on an exception."""
+    def failure_group(self) -> dist.ProcessGroup | None:
+        """The group collectives over every rank go over once the ranks agreed that the run stopped on
+        an exception, until the next set-up (the world's may be out of step then); else None."""
         agreement = self._agreement
         return agreement.group if agreement is not None and agreement.agreed else None
 

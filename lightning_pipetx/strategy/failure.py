@@ -122,12 +122,13 @@ def stop_after_failure(
     rank: int,
     path: str,
     optimizers: list,
+    also_waited_in: list[dist.ProcessGroup],
 ) -> bool:
     """Close ``engine`` after an exception: the whole model back on every rank where every rank
     stopped alike (the same layout, no transition under way; returns True), else log what this
-    rank lacks."""
+    rank lacks. ``also_waited_in``: groups besides the engine's that a peer may wait in."""
     if handling_keyboard_interrupt() and engine.layout.world_size > 1:
-        wake_peers(engine.training_groups())
+        wake_peers(engine.training_groups() + also_waited_in)
     engine.close(restore_weights=False, destroy_groups=False)  # the training groups may be out of step
     state = _stopped_state(engine, moving)
     if state >= 0 and agreement is not None and agreement.every_rank_failed(state):

@@ -160,6 +160,11 @@ class PipelineMetrics:
         self.forget_logged()
         self.logged_layout, self.logged_stage_group, self._free_logged_groups = layout, stage_group, free_groups
 
+    def waited_in(self) -> list[dist.ProcessGroup]:
+        """The group a reduction of logged values may wait in besides the running layout's (the
+        old layout's stage group, after a transition in a training epoch)."""
+        return [] if self.logged_stage_group is None else [self.logged_stage_group]
+
     def forget_logged(self) -> None:
         if self._free_logged_groups is not None:
             self._free_logged_groups()

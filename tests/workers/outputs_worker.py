@@ -9,6 +9,8 @@ Usage: torchrun --nproc_per_node=N outputs_worker.py OUT_DIR MODE, where MODE is
   fail_one       (2 processes) the last stage raises in its third training step
   ctrl_c LENGTH  (2 processes, pipeline_length LENGTH) a Ctrl-C reaches both ranks while rank 0
                  waits inside gloo for rank 1 (2x1: its hidden state; 1x2: the gradient all-reduce)
+  ctrl_c_after_transition  (4 processes, 2x2 -> 1x4 after epoch 0) a Ctrl-C reaches every rank
+                 while rank 1's replica of the old layout's stage waits for it in the epoch-end reduction
 Every rank writes OUT_DIR/<MODE>_rank<N>.json (and, for fail_all, its weights).
 """
 
@@ -28,7 +30,7 @@ from tiny_models import NUM_LABELS, RandomTokenDataset, tiny_bert
 from torch.utils.data import DataLoader
 from worker_exit import run_worker
 
-from lightning_pipetx import ElasticPipelineStrategy
+from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 
 
 def pad_to_longest(samples):
@@ -115,6 +117,22 @@ class CollectedLosses(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
+class EpochLoss(pl.LightningModule):
+    """Logs its loss for the epoch, reduced over the replicas."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = tiny_bert(seed=0, dropout=0.0)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
 class FailingLastStage(CollectedLosses):
     def training_step(self, batch, batch_idx):
         loss = self.model(**batch).loss
@@ -140,6 +158,24 @@ class CtrlCWhileRank0Waits(CollectedLosses):
                 os.kill(int(f.read()), signal.SIGINT)
             os.kill(os.getpid(), signal.SIGINT)
         return super().training_step(batch, batch_idx)
+
+
+class CtrlCAfterTransition(Callback):
+    """Ctrl-C on every process at the end of epoch 0, after FreezeCallback moved the run from 2x2
+    to 1x4: global rank 1 runs Python (this hook, after FreezeCallback's), while its replica of the
+    old layout's stage waits for it inside gloo, in the epoch-end reduction of the values logged
+    under that layout (over that layout's stage group)."""
+
+    def __init__(self, out_dir, report):
+        self.out_dir, self.report = out_dir, report
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.report["layout_at_ctrl_c"] = str(trainer.strategy.layout)
+        if trainer.current_epoch == 0 and trainer.global_rank == 1:
+            time.sleep(2.0)  # the others wait for this rank by now
+            for rank in (0, 2, 3, 1):
+                with open(os.path.join(self.out_dir, f"pid_rank{rank}")) as f:
+                    os.kill(int(f.read()), signal.SIGINT)
 
 
 class RaiseAtEpochEnd(Callback):
@@ -274,6 +310,23 @@ def main():
             report["stopped_by"] = type(error).__name__
         report["seconds"] = time.monotonic() - start
         torch.save(model.state_dict(), os.path.join(out_dir, f"weights_rank{rank}.pt"))
+    elif mode == "ctrl_c_after_transition":
+        with open(os.path.join(out_dir, f"pid_rank{rank}"), "w") as f:
+            f.write(str(os.getpid()))
+        callbacks = [
+            FreezeCallback(alpha=1 / 2, signal="schedule"),
+            CtrlCAfterTransition(out_dir, report),
+            OnExceptionCheckpoint(out_dir, filename="on_exception"),
+            ModelCheckpoint(os.path.join(out_dir, "saved"), every_n_epochs=0),  # no save at epoch end
+        ]
+        trainer = trainer_for(4, 90, 2, max_epochs=2, callbacks=callbacks, **checkpointed_on_exception(out_dir))
+        start = time.monotonic()
+        try:
+            # Batches of one length: AutoCache stays on, and the cached prefix costs nothing to the planner.
+            trainer.fit(EpochLoss(), DataLoader(RandomTokenDataset(size=32, seed=1), batch_size=4))
+        except SystemExit as error:  # how Lightning ends a run after a KeyboardInterrupt
+            report["stopped_by"] = type(error).__name__
+        report["seconds"] = time.monotonic() - start
     elif mode == "fail_one_checkpointed":  # Lightning's OnExceptionCheckpoint saves before the strategy hears of it
         on_exception = OnExceptionCheckpoint(out_dir, filename="on_exception")
         try:
