@@ -274,6 +274,10 @@ def wait_for_every_report(out_dir, rank, world_size, seconds=60.0):
 def main():
     out_dir, mode = sys.argv[1], sys.argv[2]
     rank = int(os.environ["RANK"])
+    if mode.startswith("ctrl_c"):
+        # Ctrl-C raises KeyboardInterrupt, as in a terminal, also where the test session runs with SIGINT
+        # ignored (`make test` as a background job), which the processes it starts inherit.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     report = {}
     if mode == "everywhere":
         everywhere(report)
