@@ -167,6 +167,19 @@ def test_a_ctrl_c_while_a_rank_waits_in_the_old_layouts_group_after_a_transition
         assert not torch.equal(value, initial[name.removeprefix("model.")]), f"{name} was not trained"
 
 
+def test_a_ctrl_c_during_a_transition_is_held_until_it_ends_and_the_whole_model_is_saved(tmp_path):
+    # Interrupted half-way through moving blocks (2x1 -> 1x2), no rank could tell which blocks
+    # arrived: both ranks finish the move first, then stop in the new layout.
+    run_workers("outputs_worker.py", 2, str(tmp_path), "ctrl_c_in_transition", timeout=240)
+    reports = _reports(tmp_path, "ctrl_c_in_transition", 2)
+    assert [r["stopped_by"] for r in reports] == ["SystemExit"] * 2
+    assert [r["layout_at_stop"] for r in reports] == ["1x2"] * 2
+    weights = _whole_trained_model_on_both_ranks(tmp_path)
+    caught = torch.load(tmp_path / "on_exception.ckpt", weights_only=True)
+    for name, value in weights.items():
+        torch.testing.assert_close(caught["state_dict"][name], value, rtol=0, atol=0, msg=name)
+
+
 def test_a_checkpoint_on_an_exception_that_one_rank_raised_is_refused_instead_of_hanging(tmp_path):
     # OnExceptionCheckpoint saves before the strategy hears of the exception, on the rank that raised
     # it (the last stage, after the model call) while the other waits for it inside the pipeline.

@@ -39,6 +39,7 @@ from lightning_pipetx.callbacks.freeze_guard import FreezeGuard, check_guard_arg
 from lightning_pipetx.callbacks.freeze_rule import FreezeDecision, decide
 from lightning_pipetx.callbacks.prefix_findings import PrefixFindings
 from lightning_pipetx.strategy.elastic_pipeline import ElasticPipelineStrategy
+from lightning_pipetx.strategy.failure import keyboard_interrupts_held
 
 log = logging.getLogger("lightning_pipetx")
 
@@ -326,8 +327,11 @@ class FreezeCallback(Callback):
         self._epochs_ended = trainer.current_epoch
         stopped = self.guard is not None and self.guard.stopped
         decides = self._decides_after(trainer.current_epoch) and not stopped and ran_every_batch(trainer)
-        if decides and self._decide(trainer, trainer.current_epoch):
-            self._apply(trainer)
+        if not decides:
+            return
+        with keyboard_interrupts_held():  # a Ctrl-C during a transition: the ranks stop after it, in one layout
+            if self._decide(trainer, trainer.current_epoch):
+                self._apply(trainer)
 
     def _decides_after(self, epoch: int) -> bool:
         trained = epoch + 1 - self.warmup_epochs

@@ -23,8 +23,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 import zlib
+from collections.abc import Generator
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -107,6 +110,30 @@ def wake_peers(groups: list[dist.ProcessGroup]) -> None:
                 continue
             with contextlib.suppress(RuntimeError):  # the expected timeout, or a peer already gone
                 dist.irecv(torch.zeros(1), src=peer, group=group, tag=_WAKE_TAG).wait(timedelta(milliseconds=1))
+
+
+@contextlib.contextmanager
+def keyboard_interrupts_held() -> Generator[None, None, None]:
+    """Hold a Ctrl-C (SIGINT) that arrives inside the block and raise it as the block ends.
+
+    Applying a freeze decision moves blocks between ranks: interrupted half-way, no rank can tell
+    which blocks arrived, and the model in memory is lost. A terminal's Ctrl-C reaches every rank,
+    so every rank holds it, finishes the move, and stops in the new layout, where the ranks agree
+    and restore the whole model. Only in the main thread, where SIGINT has a Python handler
+    (Python's own raises KeyboardInterrupt); a second Ctrl-C inside the block is held too.
+    """
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous) or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        previous(signal.SIGINT, held[0])
 
 
 def handling_keyboard_interrupt() -> bool:

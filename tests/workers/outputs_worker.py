@@ -9,6 +9,8 @@ Usage: torchrun --nproc_per_node=N outputs_worker.py OUT_DIR MODE, where MODE is
   fail_one       (2 processes) the last stage raises in its third training step
   ctrl_c LENGTH  (2 processes, pipeline_length LENGTH) a Ctrl-C reaches both ranks while rank 0
                  waits inside gloo for rank 1 (2x1: its hidden state; 1x2: the gradient all-reduce)
+  ctrl_c_in_transition  (2 processes, 2x1 -> 1x2 after epoch 0) a Ctrl-C reaches both ranks half-way
+                 through moving blocks
   ctrl_c_after_transition  (4 processes, 2x2 -> 1x4 after epoch 0) a Ctrl-C reaches every rank
                  while rank 1's replica of the old layout's stage waits for it in the epoch-end reduction
 Every rank writes OUT_DIR/<MODE>_rank<N>.json (and, for fail_all, its weights).
@@ -31,6 +33,7 @@ from torch.utils.data import DataLoader
 from worker_exit import run_worker
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
+from lightning_pipetx.strategy import transition
 
 
 def pad_to_longest(samples):
@@ -176,6 +179,30 @@ class CtrlCAfterTransition(Callback):
             for rank in (0, 2, 3, 1):
                 with open(os.path.join(self.out_dir, f"pid_rank{rank}")) as f:
                     os.kill(int(f.read()), signal.SIGINT)
+
+
+def ctrl_c_after_the_first_block_sent(out_dir, rank):
+    """Ctrl-C on both ranks once global rank 1 sent its first block in a transition: both are half-way
+    through moving blocks (fault injection at the transfer of a block)."""
+    send = transition.BlockMover.send
+
+    def send_then_ctrl_c(mover, block, dst):
+        send(mover, block, dst)
+        if rank == 1 and not os.path.exists(os.path.join(out_dir, "interrupted")):
+            open(os.path.join(out_dir, "interrupted"), "w").close()
+            for peer in (0, 1):
+                with open(os.path.join(out_dir, f"pid_rank{peer}")) as f:
+                    os.kill(int(f.read()), signal.SIGINT)
+
+    transition.BlockMover.send = send_then_ctrl_c
+
+
+class LayoutAtStop(Callback):
+    def __init__(self, report):
+        self.report = report
+
+    def on_exception(self, trainer, pl_module, exception):
+        self.report["layout_at_stop"] = str(trainer.strategy.layout)
 
 
 class RaiseAtEpochEnd(Callback):
@@ -331,6 +358,23 @@ def main():
         except SystemExit as error:  # how Lightning ends a run after a KeyboardInterrupt
             report["stopped_by"] = type(error).__name__
         report["seconds"] = time.monotonic() - start
+    elif mode == "ctrl_c_in_transition":
+        with open(os.path.join(out_dir, f"pid_rank{rank}"), "w") as f:
+            f.write(str(os.getpid()))
+        ctrl_c_after_the_first_block_sent(out_dir, rank)
+        callbacks = [
+            FreezeCallback(alpha=1 / 2, signal="schedule"),
+            LayoutAtStop(report),
+            OnExceptionCheckpoint(out_dir, filename="on_exception"),
+        ]
+        trainer = trainer_for(2, 90, max_epochs=2, callbacks=callbacks, **checkpointed_on_exception(out_dir))
+        start = time.monotonic()
+        try:
+            trainer.fit(EpochLoss(), DataLoader(RandomTokenDataset(size=32, seed=1), batch_size=4))
+        except SystemExit as error:  # how Lightning ends a run after a KeyboardInterrupt
+            report["stopped_by"] = type(error).__name__
+        report["seconds"] = time.monotonic() - start
+        torch.save(trainer.lightning_module.state_dict(), os.path.join(out_dir, f"weights_rank{rank}.pt"))
     elif mode == "fail_one_checkpointed":  # Lightning's OnExceptionCheckpoint saves before the strategy hears of it
         on_exception = OnExceptionCheckpoint(out_dir, filename="on_exception")
         try:
