@@ -218,6 +218,22 @@ class LogShareCount(Callback):
         pl_module.seen["structure_messages"].append(trainer.strategy.engine.log_share.structure_messages)
 
 
+def one_length_loader():
+    """Batches of one length: AutoCache stays on, and the cached prefix costs nothing to the planner."""
+    return DataLoader(RandomTokenDataset(size=32, seed=1), batch_size=4)
+
+
+def fit_until_ctrl_c(trainer, model, train_loader, report, out_dir):
+    """Fit until a Ctrl-C stops it; report how and when, and save the rank's weights after it."""
+    start = time.monotonic()
+    try:
+        trainer.fit(model, train_loader)
+    except SystemExit as error:  # how Lightning ends a run after a KeyboardInterrupt
+        report["stopped_by"] = type(error).__name__
+    report["seconds"] = time.monotonic() - start
+    torch.save(model.state_dict(), os.path.join(out_dir, f"weights_rank{trainer.global_rank}.pt"))
+
+
 def trainer_for(devices, timeout=60, pipeline_length=2, **kwargs):
     strategy = ElasticPipelineStrategy(
         pipeline_length=pipeline_length, num_microbatches=2, timeout=timedelta(seconds=timeout)
@@ -305,6 +321,8 @@ def main():
         # Ctrl-C raises KeyboardInterrupt, as in a terminal, also where the test session runs with SIGINT
         # ignored (`make test` as a background job), which the processes it starts inherit.
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        with open(os.path.join(out_dir, f"pid_rank{rank}"), "w") as f:  # for the rank that sends the Ctrl-C
+            f.write(str(os.getpid()))
     report = {}
     if mode == "everywhere":
         everywhere(report)
@@ -325,8 +343,6 @@ def main():
         trainer.save_checkpoint(os.path.join(out_dir, "after_failure.ckpt"), weights_only=True)
         trainer.save_checkpoint(os.path.join(out_dir, "full_after_failure.ckpt"))
     elif mode == "ctrl_c":
-        with open(os.path.join(out_dir, f"pid_rank{rank}"), "w") as f:
-            f.write(str(os.getpid()))
         model = CtrlCWhileRank0Waits(out_dir)
         on_exception = OnExceptionCheckpoint(out_dir, filename="on_exception")
         saved = ModelCheckpoint(os.path.join(out_dir, "saved"), save_on_exception=True, save_last=True)
@@ -334,16 +350,8 @@ def main():
         trainer = trainer_for(
             2, 90, length, max_epochs=1, callbacks=[on_exception, saved], **checkpointed_on_exception(out_dir)
         )
-        start = time.monotonic()
-        try:
-            trainer.fit(model, loader(32, 4, 1))
-        except SystemExit as error:  # how Lightning ends a run after a KeyboardInterrupt
-            report["stopped_by"] = type(error).__name__
-        report["seconds"] = time.monotonic() - start
-        torch.save(model.state_dict(), os.path.join(out_dir, f"weights_rank{rank}.pt"))
+        fit_until_ctrl_c(trainer, model, loader(32, 4, 1), report, out_dir)
     elif mode == "ctrl_c_after_transition":
-        with open(os.path.join(out_dir, f"pid_rank{rank}"), "w") as f:
-            f.write(str(os.getpid()))
         callbacks = [
             FreezeCallback(alpha=1 / 2, signal="schedule"),
             CtrlCAfterTransition(out_dir, report),
@@ -351,16 +359,8 @@ def main():
             ModelCheckpoint(os.path.join(out_dir, "saved"), every_n_epochs=0),  # no save at epoch end
         ]
         trainer = trainer_for(4, 90, 2, max_epochs=2, callbacks=callbacks, **checkpointed_on_exception(out_dir))
-        start = time.monotonic()
-        try:
-            # Batches of one length: AutoCache stays on, and the cached prefix costs nothing to the planner.
-            trainer.fit(EpochLoss(), DataLoader(RandomTokenDataset(size=32, seed=1), batch_size=4))
-        except SystemExit as error:  # how Lightning ends a run after a KeyboardInterrupt
-            report["stopped_by"] = type(error).__name__
-        report["seconds"] = time.monotonic() - start
+        fit_until_ctrl_c(trainer, EpochLoss(), one_length_loader(), report, out_dir)
     elif mode == "ctrl_c_in_transition":
-        with open(os.path.join(out_dir, f"pid_rank{rank}"), "w") as f:
-            f.write(str(os.getpid()))
         ctrl_c_after_the_first_block_sent(out_dir, rank)
         callbacks = [
             FreezeCallback(alpha=1 / 2, signal="schedule"),
@@ -368,13 +368,7 @@ def main():
             OnExceptionCheckpoint(out_dir, filename="on_exception"),
         ]
         trainer = trainer_for(2, 90, max_epochs=2, callbacks=callbacks, **checkpointed_on_exception(out_dir))
-        start = time.monotonic()
-        try:
-            trainer.fit(EpochLoss(), DataLoader(RandomTokenDataset(size=32, seed=1), batch_size=4))
-        except SystemExit as error:  # how Lightning ends a run after a KeyboardInterrupt
-            report["stopped_by"] = type(error).__name__
-        report["seconds"] = time.monotonic() - start
-        torch.save(trainer.lightning_module.state_dict(), os.path.join(out_dir, f"weights_rank{rank}.pt"))
+        fit_until_ctrl_c(trainer, EpochLoss(), one_length_loader(), report, out_dir)
     elif mode == "fail_one_checkpointed":  # Lightning's OnExceptionCheckpoint saves before the strategy hears of it
         on_exception = OnExceptionCheckpoint(out_dir, filename="on_exception")
         try:
