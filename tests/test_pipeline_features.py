@@ -122,6 +122,9 @@ def test_dead_peer_ends_the_run_with_a_clear_error(mode, waiting_for, tmp_path):
     output = run_workers("features_worker.py", 2, str(tmp_path), mode, expect_failure=True, timeout=240)
     assert time.monotonic() - start < 200
     assert f"lost global rank 1 while waiting for {waiting_for}" in output, output[-4000:]
+    if mode == "deadpeer":  # rank 0 cannot get back the blocks rank 1 ran, and says so
+        assert "global rank 0 could not get the blocks it does not run back" in output
+        assert "lacks blocks [0, 1] of 'model.bert.encoder.layer'" in output and "load the last checkpoint" in output
 
 
 def test_weights_are_whole_after_the_run(four_ranks):

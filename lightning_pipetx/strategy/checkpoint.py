@@ -136,7 +136,7 @@ class ClosedRun:
             return None
         if self.plan is None and self.failed:
             raise RuntimeError(
-                "trainer.save_checkpoint after a run that stopped on an error not every rank took part in: the "
+                "trainer.save_checkpoint after a run that stopped on an error not every rank stopped with: the "
                 "ranks could not give each other back the blocks they did not run, so the model is incomplete "
                 "(see the error logged at teardown). Load the last checkpoint instead."
             )

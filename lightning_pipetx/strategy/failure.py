@@ -1,22 +1,19 @@
 """What a rank does with the user's model when a run stops on an exception.
 
 The exception ends the run on the rank that raised it; its peers may be alive, waiting on it,
-or dead, and the training process groups may be out of step. So the ranks first agree, over
-a gloo group of their own (created at setup) and within a short window, that every rank is
-tearing down after an exception, in the same layout: an exception raised on every rank, or a
-KeyboardInterrupt. Then every block is restored on every rank through that group, and the
-checkpoints and barriers that follow (Lightning's ``OnExceptionCheckpoint``, a save after the
-run) go over it too, until the next run's set-up. Otherwise the rank's model stays incomplete,
-and an error is logged saying which blocks it lacks and to load the last checkpoint instead.
-
-A KeyboardInterrupt reaches a rank running Python at once, but a rank waiting inside gloo for
-that rank only when the wait ends (the process-group timeout). So an interrupted rank first
-closes its gloo connections in the training groups, the world's included (:func:`wake_peers`):
-a peer waiting on it returns from its wait with an error and takes its own pending
-KeyboardInterrupt, in time for the agreement. Once the ranks agreed, the strategy's barrier,
-broadcast and boolean reductions go over the agreement's group too (Lightning's callbacks call
-them as the run stops). NCCL offers no such thing: there, such a peer waits until the timeout.
-"""
+or dead, and the training process groups may be out of step. So the rank first closes its gloo
+connections in the training groups, the world's included (:func:`wake_peers`): a peer waiting
+on it inside gloo (a transfer, a collective) returns from its wait with an error (``lost global
+rank N``, or the KeyboardInterrupt a Ctrl-C left pending there) and stops too, at once rather
+than at the process-group timeout. Then the ranks agree, over a gloo group of their own
+(created at setup) and within a short window, that every rank is tearing down in the same
+layout, with no transition under way. Then every block is restored on every rank through that
+group, and the checkpoints and barriers that follow (Lightning's ``OnExceptionCheckpoint``, a
+save after the run) go over it too, until the next run's set-up; so do the strategy's barrier,
+broadcast and boolean reductions (Lightning's callbacks call them as the run stops). Otherwise
+(a dead peer, one busy outside gloo past the window, a transition under way) the rank's model
+stays incomplete, and an error is logged saying which blocks it lacks and to load the last
+checkpoint instead. NCCL offers no way to wake a waiting peer: there, it waits until the timeout."""
 
 from __future__ import annotations
 
@@ -44,7 +41,7 @@ _WAKE_TAG = 0x7A3E  # a tag nothing sends: the receive posted to close a connect
 
 
 class CheckpointAfterFailureError(RuntimeError):
-    """A checkpoint asked for as the run stops on an exception that not every rank raised, or
+    """A checkpoint asked for as the run stops on an exception that not every rank stopped with, or
     that was raised while blocks moved between ranks for a new layout."""
 
 
@@ -83,7 +80,7 @@ class FailureAgreement:
 
 def log_incomplete_model(rank: int, lacking: list[int], path: str, moving: bool) -> None:
     """Say that this rank's model lacks the ``lacking`` blocks after a failed run."""
-    cause = "while blocks were moving between ranks for a new layout" if moving else "that not every rank took part in"
+    cause = "while blocks were moving between ranks for a new layout" if moving else "that not every rank stopped with"
     log.error(
         "pipetx: the run stopped on an error %s, so global rank %d could not get the blocks it does not run back: "
         "its copy of the model lacks blocks %s of %r (their weights are NaN or partly received here), and the "
@@ -136,12 +133,6 @@ def keyboard_interrupts_held() -> Generator[None, None, None]:
         previous(signal.SIGINT, held[0])
 
 
-def handling_keyboard_interrupt() -> bool:
-    """Whether this is called while a KeyboardInterrupt is being handled (Lightning calls the
-    hooks of an interrupted run from its ``except KeyboardInterrupt`` clause)."""
-    return isinstance(sys.exc_info()[1], KeyboardInterrupt)
-
-
 def stop_after_failure(
     engine: PipelineEngine,
     agreement: FailureAgreement | None,
@@ -151,10 +142,11 @@ def stop_after_failure(
     optimizers: list,
     also_waited_in: list[dist.ProcessGroup],
 ) -> bool:
-    """Close ``engine`` after an exception: the whole model back on every rank where every rank
-    stopped alike (the same layout, no transition under way; returns True), else log what this
-    rank lacks. ``also_waited_in``: groups besides the engine's that a peer may wait in."""
-    if handling_keyboard_interrupt() and engine.layout.world_size > 1:
+    """Close ``engine`` after an exception: wake the peers waiting on this rank, then the whole
+    model back on every rank where every rank stopped alike (the same layout, no transition under
+    way; returns True), else log what this rank lacks. ``also_waited_in``: groups besides the
+    engine's that a peer may wait in."""
+    if engine.layout.world_size > 1:
         wake_peers(engine.training_groups() + also_waited_in)
     engine.close(restore_weights=False, destroy_groups=False)  # the training groups may be out of step
     state = _stopped_state(engine, moving)
@@ -183,10 +175,9 @@ def checkpoint_refused(moving: bool) -> CheckpointAfterFailureError:
             "gathered and no checkpoint is written. Resume from the last checkpoint ModelCheckpoint saved."
         )
     return CheckpointAfterFailureError(
-        "pipetx: trainer.save_checkpoint as the run stops on an exception that not every rank raised: the other "
-        "ranks still train and wait for this one, so the blocks they hold cannot be gathered and no checkpoint "
-        "is written. Under a pipeline, the code after the model call in training_step runs (and raises) on the "
-        "last stage only. Resume from the last checkpoint ModelCheckpoint saved."
+        "pipetx: trainer.save_checkpoint as the run stops on an exception, but not every rank stopped with it "
+        "within the agreement's window (a rank died, or was busy outside the process groups), so the blocks they "
+        "hold cannot be gathered and no checkpoint is written. Resume from the last checkpoint ModelCheckpoint saved."
     )
 
 

@@ -388,7 +388,7 @@ def main():
             raise
         finally:
             try:
-                trainer.save_checkpoint(os.path.join(out_dir, "incomplete.ckpt"), weights_only=True)
+                trainer.save_checkpoint(os.path.join(out_dir, "after_failure.ckpt"), weights_only=True)
             except RuntimeError as error:
                 print(f"[rank{rank}] save refused: {error}", flush=True)
             wait_for_every_report(out_dir, rank, 2)
