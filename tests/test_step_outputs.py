@@ -2,6 +2,7 @@
 failure leaves behind (issue 12, items 4 and 6)."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -93,11 +94,9 @@ def test_outputs_collected_in_training_step_fail_with_an_explanation(tmp_path):
 def _whole_trained_model_on_both_ranks(out):
     """The weights both ranks saved after the failure: finite, equal, and trained."""
     weights = [torch.load(out / f"weights_rank{rank}.pt", weights_only=True) for rank in (0, 1)]
-    initial = tiny_bert(seed=0, dropout=0.0).state_dict()
+    _assert_whole_and_trained(weights[0])
     for name, value in weights[0].items():
-        assert torch.isfinite(value.float()).all(), name
         torch.testing.assert_close(weights[1][name], value, rtol=0, atol=0, msg=name)
-        assert not torch.equal(value, initial[name.removeprefix("model.")]), f"{name} was not trained"
     return weights[0]
 
 
@@ -179,9 +178,11 @@ def test_an_exception_on_one_rank_wakes_the_other_and_the_whole_model_is_checkpo
     # OnExceptionCheckpoint saves before the strategy hears of the exception, on the rank that raised
     # it (the last stage, after the model call) while the other waits for it inside the pipeline:
     # the raising rank closes its connections, the waiting one stops too, and they agree in time.
+    start = time.monotonic()
     output = run_workers(
         "outputs_worker.py", 2, str(tmp_path), "fail_one_checkpointed", expect_failure=True, timeout=240
     )
+    assert time.monotonic() - start < 200
     assert "[rank0] fit failed: RuntimeError: the user's step failed on one rank" in output
     assert "[rank1] fit failed: PeerError: rank 1 lost global rank 0" in output
     assert "could not get the blocks" not in output
@@ -190,7 +191,9 @@ def test_an_exception_on_one_rank_wakes_the_other_and_the_whole_model_is_checkpo
 
 
 def test_an_exception_on_one_rank_ends_every_rank_with_the_whole_model(tmp_path):
+    start = time.monotonic()
     output = run_workers("outputs_worker.py", 2, str(tmp_path), "fail_one", expect_failure=True, timeout=240)
+    assert time.monotonic() - start < 200
     assert "the user's step failed on one rank" in output and "lost global rank 0" in output
     assert "save refused" not in output and "could not get the blocks" not in output
     saved = torch.load(tmp_path / "after_failure.ckpt", weights_only=True)["state_dict"]
@@ -198,6 +201,7 @@ def test_an_exception_on_one_rank_ends_every_rank_with_the_whole_model(tmp_path)
 
 
 def _assert_whole_and_trained(state):
+    """Every weight of ``state`` finite and moved from its initial value."""
     initial = tiny_bert(seed=0, dropout=0.0).state_dict()
     for name, value in state.items():
         assert torch.isfinite(value.float()).all(), name
