@@ -144,6 +144,13 @@ class FailingLastStage(CollectedLosses):
         return loss
 
 
+def ctrl_c(out_dir, ranks):
+    """SIGINT to the given global ranks, in order, as a terminal's Ctrl-C (each wrote its pid at start)."""
+    for rank in ranks:
+        with open(os.path.join(out_dir, f"pid_rank{rank}")) as f:
+            os.kill(int(f.read()), signal.SIGINT)
+
+
 class CtrlCWhileRank0Waits(CollectedLosses):
     """Ctrl-C, as a terminal sends it to every process, in the third step, while global rank 0
     waits inside gloo for rank 1, which runs Python (2x1: the first stage, before its model call;
@@ -157,9 +164,7 @@ class CtrlCWhileRank0Waits(CollectedLosses):
     def training_step(self, batch, batch_idx):
         if batch_idx == 2 and self.global_rank == 1:
             time.sleep(2.0)  # rank 0 waits for this rank by now
-            with open(os.path.join(self.out_dir, "pid_rank0")) as f:
-                os.kill(int(f.read()), signal.SIGINT)
-            os.kill(os.getpid(), signal.SIGINT)
+            ctrl_c(self.out_dir, (0, 1))
         return super().training_step(batch, batch_idx)
 
 
@@ -176,9 +181,7 @@ class CtrlCAfterTransition(Callback):
         self.report["layout_at_ctrl_c"] = str(trainer.strategy.layout)
         if trainer.current_epoch == 0 and trainer.global_rank == 1:
             time.sleep(2.0)  # the others wait for this rank by now
-            for rank in (0, 2, 3, 1):
-                with open(os.path.join(self.out_dir, f"pid_rank{rank}")) as f:
-                    os.kill(int(f.read()), signal.SIGINT)
+            ctrl_c(self.out_dir, (0, 2, 3, 1))
 
 
 def ctrl_c_after_the_first_block_sent(out_dir, rank):
@@ -190,9 +193,7 @@ def ctrl_c_after_the_first_block_sent(out_dir, rank):
         send(mover, block, dst)
         if rank == 1 and not os.path.exists(os.path.join(out_dir, "interrupted")):
             open(os.path.join(out_dir, "interrupted"), "w").close()
-            for peer in (0, 1):
-                with open(os.path.join(out_dir, f"pid_rank{peer}")) as f:
-                    os.kill(int(f.read()), signal.SIGINT)
+            ctrl_c(out_dir, (0, 1))
 
     transition.BlockMover.send = send_then_ctrl_c
 
