@@ -100,7 +100,12 @@ def worker(args: argparse.Namespace) -> None:
         length = int(config.removeprefix("pipe_k"))
         microbatches = 1 if length == 1 else args.microbatches  # no pipeline, no reason to split
         schedule = getattr(args, "schedule", "gpipe")  # benchmarks/pipelining_peer.py runs both
-        strategy = ElasticPipelineStrategy(pipeline_length=length, num_microbatches=microbatches, schedule=schedule)
+        strategy = ElasticPipelineStrategy(
+            pipeline_length=length,
+            num_microbatches=microbatches,
+            schedule=schedule,
+            split_backward=getattr(args, "split_backward", True),
+        )
         replicas = world // length
 
     class Timer(Callback):

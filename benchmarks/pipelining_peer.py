@@ -33,6 +33,7 @@ import pipeline_static
 from _launch import in_turn, launch
 
 CONFIGS = ("ours_gpipe", "torch_gpipe", "ours_1f1b", "torch_1f1b")
+EXTRA_CONFIGS = ("fused_gpipe", "fused_1f1b")  # ours with split_backward=False
 
 
 def torch_worker(args: argparse.Namespace, schedule_name: str) -> None:
@@ -112,11 +113,12 @@ def main() -> None:
         if system == "torch":
             torch_worker(args, schedule)
         else:
+            args.split_backward = system == "ours"  # "fused": one fused backward per micro-batch
             args.schedule, args.worker = schedule, f"pipe_k{int(os.environ['WORLD_SIZE'])}"
             pipeline_static.worker(args)
             rank = os.environ["RANK"]
             Path(args.result_dir, f"{args.worker}_rank{rank}.json").rename(
-                Path(args.result_dir, f"ours_{schedule}_rank{rank}.json")
+                Path(args.result_dir, f"{system}_{schedule}_rank{rank}.json")
             )
         return
 

@@ -122,6 +122,9 @@ class ElasticPipelineStrategy(DDPStrategy):
         reuse_host_memory: keep host memory freed by a training step for the next instead of
             handing it back to the system (glibc's ``malloc``, process-wide; see
             :mod:`~lightning_pipetx.strategy.host_memory`). ``"auto"``: when training on CPU.
+        split_backward: under a pipeline, in a step's last backward a stage computes the gradient
+            the previous stage waits for first, and its weights' gradients after sending it
+            (:mod:`~lightning_pipetx.strategy.split_backward`); False: fused backwards only.
         **kwargs: DDPStrategy's arguments (``process_group_backend``, ``timeout``,
             ``start_method``, ``cluster_environment``, ...).
 
@@ -148,6 +151,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         memory_budget: int | None = None,
         bucket_cap_mb: float = 25.0,
         reuse_host_memory: bool | str = "auto",
+        split_backward: bool = True,
         **kwargs: Any,
     ) -> None:
         check_arguments(
@@ -159,6 +163,7 @@ class ElasticPipelineStrategy(DDPStrategy):
             memory_budget,
             bucket_cap_mb,
             reuse_host_memory,
+            split_backward,
         )
         self._autocache = CacheControl(cache, cache_dir, cache_ram_bytes, cache_device_bytes)
         super().__init__(**kwargs)
@@ -175,6 +180,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self.memory_budget = memory_budget
         self.bucket_cap_mb = bucket_cap_mb
         self.reuse_host_memory = reuse_host_memory
+        self.split_backward = split_backward
         self.engine: PipelineEngine | None = None
         self._last_run = ClosedRun()  # what a run leaves for trainer.save_checkpoint after it
         self._split: BlockSplit | None = None
@@ -365,6 +371,7 @@ class ElasticPipelineStrategy(DDPStrategy):
             self.timeout,
             int(self.bucket_cap_mb * 2**20),
             lambda: self.optimizers,
+            self.split_backward,
         )
         engine.cache, engine.frozen = self._autocache.cache, self._frozen
         scaler = getattr(self.precision_plugin, "scaler", None)

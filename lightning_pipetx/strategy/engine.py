@@ -27,6 +27,7 @@ from lightning_pipetx.strategy.model_checks import UnsupportedRecipeError
 from lightning_pipetx.strategy.output_relay import OutputRelay
 from lightning_pipetx.strategy.p2p import Channel
 from lightning_pipetx.strategy.param_store import ParamStore, broadcast_all, gather_block_state
+from lightning_pipetx.strategy.split_backward import AVAILABLE as split_backward_available
 from lightning_pipetx.strategy.stage_hooks import BlockCalls, StageExit, StageHooks
 from lightning_pipetx.strategy.stage_runner import StageRunner, extract_loss, no_microbatch_context
 from lightning_pipetx.strategy.stage_streams import StageStream, stage_seed
@@ -49,6 +50,7 @@ class PipelineEngine:
         timeout: timedelta | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         optimizers: Callable[[], Sequence[Optimizer]] = list,
+        split_backward: bool = True,
     ) -> None:
         self.module = module
         self.split = split
@@ -91,6 +93,8 @@ class PipelineEngine:
             timeout,
         )
         self.runner.on_last_backward = self.grad_sync.arm
+        self.runner.split_backward = split_backward and split_backward_available and plan.layout.pipeline_length > 1
+        self.runner.weights = lambda: [p for p in all_params if p.requires_grad]
         self.recorder = LogRecorder(module, pipelined=self.topology.pipeline_length > 1)
         self.log_share = LogShare(self.topology, device)
         self.profile_steps = 0  # training steps still to time, after one warm-up step

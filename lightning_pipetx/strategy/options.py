@@ -36,6 +36,7 @@ def check_arguments(
     memory_budget: Any,
     bucket_cap_mb: Any,
     reuse_host_memory: Any,
+    split_backward: Any,
 ) -> None:
     """Raise a ``ValueError`` for the first argument the strategy cannot run with."""
     for name, value in (("pipeline_length", pipeline_length), ("num_microbatches", num_microbatches)):
@@ -53,3 +54,5 @@ def check_arguments(
         raise _error("bucket_cap_mb", bucket_cap_mb, "use a size in MB > 0")
     if reuse_host_memory not in (True, False, "auto"):
         raise _error("reuse_host_memory", reuse_host_memory, "use True, False or 'auto'")
+    if not isinstance(split_backward, bool):
+        raise _error("split_backward", split_backward, "use True or False")

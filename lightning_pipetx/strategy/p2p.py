@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -243,9 +244,15 @@ class Channel:
         self._outstanding: list[tuple[dist.Work, int, torch.Tensor]] = []  # sends of the last batch
         self.bytes_sent = 0
 
-    def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
-        """Post ``sends`` and ``recvs`` (``(tensor, global rank)``) as one batch and return once
-        the receives are complete; the sends complete before the next batch is posted."""
+    def exchange(
+        self,
+        sends: list[tuple[torch.Tensor, int]],
+        recvs: list[tuple[torch.Tensor, int]],
+        meanwhile: Callable[[], None] | None = None,
+    ) -> None:
+        """Post ``sends`` and ``recvs`` (``(tensor, global rank)``) as one batch, run ``meanwhile``
+        (work nothing posted waits for), and return once the receives are complete; the sends
+        complete before the next batch is posted."""
         self.flush()
         if not sends and not recvs:
             return
@@ -253,6 +260,8 @@ class Channel:
         ops = [dist.P2POp(dist.isend, t, peer, tag=_TAG_DATA) for t, peer in sends]
         ops += [dist.P2POp(dist.irecv, t, peer, tag=_TAG_DATA) for t, peer in recvs]
         works = _coalesced(ops) if self.coalesced else dist.batch_isend_irecv(ops)
+        if meanwhile is not None:
+            meanwhile()
         if len(works) == len(ops):  # a work per transfer (gloo)
             send_works, recv_works = works[: len(sends)], works[len(sends) :]
         else:  # NCCL coalesces the batch into one work: it completes every receive (and send) in it

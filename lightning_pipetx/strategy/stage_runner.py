@@ -19,6 +19,7 @@ its receive is posted.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
@@ -37,8 +38,11 @@ from lightning_pipetx.strategy.p2p import (
     empty_header,
     stand_in_sends,
 )
+from lightning_pipetx.strategy.split_backward import WeightGradients, backward_input, refused_by_checkpoint
 from lightning_pipetx.strategy.stage_hooks import BlockCalls, StageExit, StageHooks
 from lightning_pipetx.strategy.topology import Topology
+
+log = logging.getLogger("lightning_pipetx")
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -179,6 +183,10 @@ class StageRunner:
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
         self._mismatches: torch.Tensor | None = None  # micro-batches whose fingerprint differed, on device
         self.extras = BoundaryExtras(topology.stage, channel.device)
+        # Input gradients first, weight gradients while waiting (split_backward); the module's weights.
+        self.split_backward = False
+        self.weights: Callable[[], list[torch.Tensor]] = list
+        self._weight_work: list[tuple[WeightGradients, bool]] = []  # pending, with whether it is the step's last
 
     # ------------------------------------------------------- communication
     def _receive_activation(self, outbox: list[tuple[torch.Tensor, int]], expected: tuple | None = None) -> Activation:
@@ -187,10 +195,10 @@ class StageRunner:
         prev, device = self.topology.prev_rank, self.channel.device
         header = empty_header(device)
         guess = None if expected is None else buffers_for(expected, device)
-        self.channel.exchange(outbox, [(header, prev)] + self._from_prev(guess))
+        self.channel.exchange(outbox, [(header, prev)] + self._from_prev(guess), self.run_weight_work)
         act, arrived = allocate(header, device, guess)
         if not arrived:
-            self.channel.exchange([], self._from_prev(act))
+            self.channel.exchange([], self._from_prev(act), self.run_weight_work)
         grad_enabled = torch.is_grad_enabled()
         tensors = tuple(
             None if t is None else t.requires_grad_(need and grad_enabled)
@@ -299,22 +307,33 @@ class StageRunner:
         return _InFlight(incoming, output, answer=answer), None
 
     # ----------------------------------------------------------- backward
-    def _backward(self, flight: _InFlight, loss_weight: float, grads: list[torch.Tensor]) -> list:
+    def _backward(self, flight: _InFlight, loss_weight: float, grads: list[torch.Tensor], last: bool) -> list:
         # The schedule runs inside the precision plugin's autocast; Lightning runs backwards outside it.
         with torch.autocast(self.channel.device.type, enabled=False):
-            return self._backward_without_autocast(flight, loss_weight, grads)
+            return self._backward_without_autocast(flight, loss_weight, grads, last)
 
-    def _backward_without_autocast(self, flight: _InFlight, loss_weight: float, grads: list[torch.Tensor]) -> list:
+    def _backward_without_autocast(
+        self, flight: _InFlight, loss_weight: float, grads: list[torch.Tensor], last: bool
+    ) -> list:
         topo = self.topology
+        roots: list[torch.Tensor] = []
         if topo.is_last_stage:
             loss = flight.loss
             if loss is not None and loss.requires_grad:
-                self.scale_loss(loss * loss_weight).backward()
+                roots, grads = [self.scale_loss(loss * loss_weight)], []
         elif flight.output is not None:
-            outputs = [t for t, need in zip(flight.output.tensors, flight.output.needs_grad) if need]
-            torch.autograd.backward(outputs, grads)
+            roots = [t for t, need in zip(flight.output.tensors, flight.output.needs_grad) if need]
         received = flight.input
-        if received is None or not any(t is not None and t.requires_grad for t in received.tensors):
+        inputs = [] if received is None else [t for t in received.tensors if t is not None and t.requires_grad]
+        # Only the step's last backward is split: the previous stage waits for its input gradient
+        # while this stage would idle; splitting every backward costs more than it saves on CPU.
+        if not (roots and inputs and last and self.split_backward and self._backward_input(roots, grads, inputs, last)):
+            self.run_weight_work()  # the earlier micro-batches' weight gradients accumulate first
+            if last:
+                self.on_last_backward()
+            if roots:
+                torch.autograd.backward(roots, grads or None)
+        if not inputs:
             return []
         sends = [
             (
@@ -325,6 +344,30 @@ class StageRunner:
             if need
         ]
         return sends if flight.answer is None else [*sends, (flight.answer, topo.prev_rank)]
+
+    def _backward_input(self, roots: list[torch.Tensor], grads: list[torch.Tensor], inputs: list, last: bool) -> bool:
+        """The input half of the backward; the weight half waits in :meth:`run_weight_work`.
+        False, with nothing computed, where the graph cannot be split (a reentrant activation
+        checkpoint refuses ``torch.autograd.grad``): this stage then runs fused backwards."""
+        try:
+            work = backward_input(roots, grads or None, inputs, self.weights())
+        except RuntimeError as error:
+            if not refused_by_checkpoint(error):
+                raise
+            self.split_backward = False
+            log.info("pipetx: stage %d runs fused backwards: %s", self.topology.stage, error.__cause__ or error)
+            return False
+        self._weight_work.append((work, last))
+        return True
+
+    def run_weight_work(self) -> None:
+        """Accumulate the weight gradients of the micro-batches whose input half has run, in order."""
+        with torch.autocast(self.channel.device.type, enabled=False):
+            while self._weight_work:
+                work, last = self._weight_work.pop(0)
+                if last:
+                    self.on_last_backward()
+                work.run()
 
     def _gradient_buffers(self, flight: _InFlight) -> list[torch.Tensor]:
         if self.topology.is_last_stage or flight.output is None:
@@ -344,6 +387,14 @@ class StageRunner:
         schedule: str,
     ) -> list[Any]:
         """Forwards and backwards of every micro-batch; returns the last stage's step outputs."""
+        try:
+            return self._train(microbatches, step_fn, loss_weights, schedule)
+        finally:
+            self._weight_work.clear()  # after a failure: no weight half of this step runs in the next
+
+    def _train(
+        self, microbatches: Sequence[Any], step_fn: Callable[[Any], Any], loss_weights: Sequence[float], schedule: str
+    ) -> list[Any]:
         topo = self.topology
         flights: dict[int, _InFlight] = {}
         outputs: list[Any] = [None] * len(microbatches)
@@ -351,8 +402,6 @@ class StageRunner:
         received = sent = None  # layouts of the step's last activation from the previous stage and to the next
         actions = schedule_actions(schedule, topo.pipeline_length, topo.stage, len(microbatches))
         for position, (kind, i) in enumerate(actions):
-            if position == len(actions) - 1:
-                self.on_last_backward()
             if kind == "F":
                 incoming = None
                 if topo.is_first_stage:
@@ -374,10 +423,11 @@ class StageRunner:
                 flight = flights.pop(i)
                 grads = self._gradient_buffers(flight)
                 answer = [self.extras.answer_buffer()] if flight.asks else []
-                self.channel.exchange(outbox, [(t, topo.next_rank) for t in grads + answer])
+                self.channel.exchange(outbox, [(t, topo.next_rank) for t in grads + answer], self.run_weight_work)
                 if answer:
                     self.extras.take_answer(answer[0])
-                outbox = self._backward(flight, loss_weights[i], grads)
-        self.channel.exchange(outbox, [])
+                outbox = self._backward(flight, loss_weights[i], grads, last=position == len(actions) - 1)
+        self.channel.exchange(outbox, [], self.run_weight_work)
+        self.run_weight_work()
         self.channel.flush()
         return outputs
