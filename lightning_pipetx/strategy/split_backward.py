@@ -71,7 +71,10 @@ def backward_input(
 ) -> WeightGradients:
     """Set ``inputs[i].grad`` to the gradient of ``roots`` (the loss, or the stage's outputs
     with ``root_grads``); return what is left to compute for ``weights``."""
-    _, groups = stage_backward_input(roots, root_grads, inputs, iter(weights))
+    # Finding the weights' accumulators views each weight: not a read of the model's, so hidden
+    # from torch function modes (FreezeCallback's trace of which weights the forward reads).
+    with torch._C.DisableTorchFunction():
+        _, groups = stage_backward_input(roots, root_grads, inputs, iter(weights))
     return WeightGradients(groups)
 
 
