@@ -7,7 +7,8 @@ micro-batches, AdamW), split into ``--nprocs`` stages, fixed shapes, on gloo (CP
   under Lightning, the LightningModule unchanged;
 * ``torch_gpipe`` / ``torch_1f1b``: ``torch.distributed.pipelining``'s ``PipelineStage`` with
   ``ScheduleGPipe`` / ``Schedule1F1B``, the model split by hand at the same block boundaries, in a
-  plain training loop (no Lightning).
+  plain training loop (no Lightning);
+* ``fused_gpipe`` / ``fused_1f1b`` (not run by default): ours with ``split_backward=False``.
 
 Prints samples/s of each (timed steps after warm-up, the slowest rank's) and the ratios
 ours / torch per schedule; writes JSON. On a shared 2-core machine one run of each varies by
@@ -33,7 +34,6 @@ import pipeline_static
 from _launch import in_turn, launch
 
 CONFIGS = ("ours_gpipe", "torch_gpipe", "ours_1f1b", "torch_1f1b")
-EXTRA_CONFIGS = ("fused_gpipe", "fused_1f1b")  # ours with split_backward=False
 
 
 def torch_worker(args: argparse.Namespace, schedule_name: str) -> None:

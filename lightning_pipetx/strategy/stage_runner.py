@@ -183,10 +183,10 @@ class StageRunner:
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
         self._mismatches: torch.Tensor | None = None  # micro-batches whose fingerprint differed, on device
         self.extras = BoundaryExtras(topology.stage, channel.device)
-        # Input gradients first, weight gradients while waiting (split_backward); the module's weights.
+        # The step's last backward in two halves (split_backward); the module's weights.
         self.split_backward = False
         self.weights: Callable[[], list[torch.Tensor]] = list
-        self._weight_work: list[tuple[WeightGradients, bool]] = []  # pending, with whether it is the step's last
+        self._weight_half: WeightGradients | None = None  # of the step's last backward, once its input half ran
 
     # ------------------------------------------------------- communication
     def _receive_activation(self, outbox: list[tuple[torch.Tensor, int]], expected: tuple | None = None) -> Activation:
@@ -195,10 +195,10 @@ class StageRunner:
         prev, device = self.topology.prev_rank, self.channel.device
         header = empty_header(device)
         guess = None if expected is None else buffers_for(expected, device)
-        self.channel.exchange(outbox, [(header, prev)] + self._from_prev(guess), self.run_weight_work)
+        self.channel.exchange(outbox, [(header, prev)] + self._from_prev(guess))
         act, arrived = allocate(header, device, guess)
         if not arrived:
-            self.channel.exchange([], self._from_prev(act), self.run_weight_work)
+            self.channel.exchange([], self._from_prev(act))
         grad_enabled = torch.is_grad_enabled()
         tensors = tuple(
             None if t is None else t.requires_grad_(need and grad_enabled)
@@ -327,8 +327,7 @@ class StageRunner:
         inputs = [] if received is None else [t for t in received.tensors if t is not None and t.requires_grad]
         # Only the step's last backward is split: the previous stage waits for its input gradient
         # while this stage would idle; splitting every backward costs more than it saves on CPU.
-        if not (roots and inputs and last and self.split_backward and self._backward_input(roots, grads, inputs, last)):
-            self.run_weight_work()  # the earlier micro-batches' weight gradients accumulate first
+        if not (roots and inputs and last and self.split_backward and self._backward_input(roots, grads, inputs)):
             if last:
                 self.on_last_backward()
             if roots:
@@ -345,8 +344,8 @@ class StageRunner:
         ]
         return sends if flight.answer is None else [*sends, (flight.answer, topo.prev_rank)]
 
-    def _backward_input(self, roots: list[torch.Tensor], grads: list[torch.Tensor], inputs: list, last: bool) -> bool:
-        """The input half of the backward; the weight half waits in :meth:`run_weight_work`.
+    def _backward_input(self, roots: list[torch.Tensor], grads: list[torch.Tensor], inputs: list) -> bool:
+        """The input half of the step's last backward; the weight half waits for :meth:`_run_weight_half`.
         False, with nothing computed, where the graph cannot be split (a reentrant activation
         checkpoint refuses ``torch.autograd.grad``): this stage then runs fused backwards."""
         try:
@@ -357,16 +356,15 @@ class StageRunner:
             self.split_backward = False
             log.info("pipetx: stage %d runs fused backwards: %s", self.topology.stage, error.__cause__ or error)
             return False
-        self._weight_work.append((work, last))
+        self._weight_half = work
         return True
 
-    def run_weight_work(self) -> None:
-        """Accumulate the weight gradients of the micro-batches whose input half has run, in order."""
-        with torch.autocast(self.channel.device.type, enabled=False):
-            while self._weight_work:
-                work, last = self._weight_work.pop(0)
-                if last:
-                    self.on_last_backward()
+    def _run_weight_half(self) -> None:
+        """The weight half of the step's last backward, if it waits: its gradients are final."""
+        work, self._weight_half = self._weight_half, None
+        if work is not None:
+            self.on_last_backward()
+            with torch.autocast(self.channel.device.type, enabled=False):
                 work.run()
 
     def _gradient_buffers(self, flight: _InFlight) -> list[torch.Tensor]:
@@ -390,7 +388,7 @@ class StageRunner:
         try:
             return self._train(microbatches, step_fn, loss_weights, schedule)
         finally:
-            self._weight_work.clear()  # after a failure: no weight half of this step runs in the next
+            self._weight_half = None  # after a failure: no weight half of this step runs in the next
 
     def _train(
         self, microbatches: Sequence[Any], step_fn: Callable[[Any], Any], loss_weights: Sequence[float], schedule: str
@@ -423,11 +421,11 @@ class StageRunner:
                 flight = flights.pop(i)
                 grads = self._gradient_buffers(flight)
                 answer = [self.extras.answer_buffer()] if flight.asks else []
-                self.channel.exchange(outbox, [(t, topo.next_rank) for t in grads + answer], self.run_weight_work)
+                self.channel.exchange(outbox, [(t, topo.next_rank) for t in grads + answer])
                 if answer:
                     self.extras.take_answer(answer[0])
                 outbox = self._backward(flight, loss_weights[i], grads, last=position == len(actions) - 1)
-        self.channel.exchange(outbox, [], self.run_weight_work)
-        self.run_weight_work()
+        self.channel.exchange(outbox, [], self._run_weight_half)  # while the input gradients travel
+        self._run_weight_half()  # where nothing was posted (none is, if the split ran): never skipped
         self.channel.flush()
         return outputs
