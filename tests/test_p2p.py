@@ -51,7 +51,12 @@ def _case(name, pipeline_length, schedule, microbatches, **extra):
 STRICT_CASES = {
     2: [_case("k2_gpipe", 2, "gpipe", 3), _case("k2_1f1b", 2, "1f1b", 4, model="roformer")],
     3: [_case("k3_gpipe", 3, "gpipe", 2, model="roformer"), _case("k3_1f1b", 3, "1f1b", 4)],
-    4: [_case("k4_1f1b", 4, "1f1b", 2, model="roformer"), _case("k4_gpipe", 4, "gpipe", 5)],
+    4: [
+        _case("k4_1f1b", 4, "1f1b", 2, model="roformer"),
+        _case("k4_gpipe", 4, "gpipe", 5),
+        # 2 replicas of 2 stages: a stage's bucket all-reduces start while its last gradient send is under way
+        _case("k2_d2_1f1b", 2, "1f1b", 2),
+    ],
 }
 
 
