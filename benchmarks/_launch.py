@@ -1,4 +1,5 @@
-"""Run a benchmark worker on N local processes (torchrun) and collect what each rank wrote."""
+"""Run a benchmark worker on N local processes (torchrun) and collect what each rank wrote; run
+configurations in rounds, and say whether the rounds resolve a ratio from 1."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+from math import comb
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,6 +43,30 @@ def in_turn(configs: list[str], repeats: int) -> list[tuple[int, str]]:
     for repeat in range(repeats):
         order += [(repeat, config) for config in (configs if repeat % 2 == 0 else configs[::-1])]
     return order
+
+
+def median_interval(values: list[float], confidence: float = 0.9) -> tuple[float, float, float] | None:
+    """A distribution-free interval for the median of what ``values`` sample (rounds of a ratio taken
+    in turn): the narrowest pair of order statistics whose binomial coverage is at least
+    ``confidence``, as ``(low, high, coverage)``; None where the values are too few for any."""
+    ordered, n = sorted(values), len(values)
+    interval = None
+    for k in range(1, n // 2 + 1):  # (k-th smallest, k-th largest)
+        coverage = 1 - 2 * sum(comb(n, i) for i in range(k)) / 2**n
+        if coverage < confidence:
+            break
+        interval = (ordered[k - 1], ordered[n - k], coverage)
+    return interval
+
+
+def ratio_verdict(ratios: list[float], target: float = 1.0) -> str:
+    """Whether the rounds' ratios put their median above or below ``target``, or do not resolve it."""
+    interval = median_interval(ratios)
+    if interval is None:
+        return f"too few rounds for an interval ({len(ratios)})"
+    low, high, coverage = interval
+    where = "above" if low > target else "below" if high < target else "not resolved from"
+    return f"{coverage:.0%} interval of the median round {low:.3f}-{high:.3f}: {where} {target}"
 
 
 def write_json(path: str | Path, result: dict) -> None:

@@ -11,7 +11,8 @@ One run measures, on the same model, data and global batch, with ``--nprocs`` pr
 It prints samples/s, ratios, memory per rank and each step's time split at Lightning's hooks
 (``training_step``, ``backward``, the rest), and writes them to ``--out`` (JSON). On a
 shared machine a single run of each varies by 10%: ``--repeats R`` runs the configurations R
-times in turn (every other round in reverse order) and takes the median of each.
+times in turn (every other round in reverse order), takes the median of each, and says whether
+the rounds resolve the pipe_k1 / ddp ratio from 1.
 On CPU ElasticPipelineStrategy keeps host memory freed by a step for the next
 (``reuse_host_memory``); ``--baselines-keep-freed-memory`` gives the baselines the same setting.
 Usage: python benchmarks/pipeline_static.py [--nprocs 2] [--steps 12] [--repeats 1] [--configs ddp,pipe_k1,pipe_k2,single]
@@ -30,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _launch import in_turn, launch
+from _launch import in_turn, launch, ratio_verdict
 
 
 def build_module(args: argparse.Namespace):
@@ -229,6 +230,7 @@ def main() -> None:
         summary["pipe_k1_over_ddp"] = throughput("pipe_k1") / throughput("ddp")
         pairs = [p / d for p, d in zip(repeats["pipe_k1"], repeats["ddp"])]
         summary["pipe_k1_over_ddp_per_repeat"] = pairs
+        summary["pipe_k1_over_ddp_verdict"] = ratio_verdict(pairs)
     if pipe in runs and "pipe_k1" in runs:
         bubble = throughput("pipe_k1") * m / (m + k - 1)
         summary["bubble_model_samples_per_s"] = bubble
@@ -247,6 +249,7 @@ def main() -> None:
     if "pipe_k1_over_ddp" in summary:
         per_repeat = " ".join(f"{r:.3f}" for r in summary["pipe_k1_over_ddp_per_repeat"])
         print(f"\npipe_k1 / ddp: {summary['pipe_k1_over_ddp']:.3f} (target >= 1.0; run by run: {per_repeat})")
+        print(f"  {summary['pipe_k1_over_ddp_verdict']}")
     if f"{pipe}_over_bubble_model" in summary:
         ratio, bubble = summary[f"{pipe}_over_bubble_model"], summary["bubble_model_samples_per_s"]
         print(

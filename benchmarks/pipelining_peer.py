@@ -13,7 +13,8 @@ micro-batches, AdamW), split into ``--nprocs`` stages, fixed shapes, on gloo (CP
 Prints samples/s of each (timed steps after warm-up, the slowest rank's) and the ratios
 ours / torch per schedule; writes JSON. On a shared 2-core machine one run of each varies by
 10%: ``--repeats R`` runs the configurations R times in turn and compares medians, with the
-ratio of every round beside it; every other round runs the configurations in reverse order.
+ratio of every round beside it and whether the rounds resolve the median ratio from 1 (a
+distribution-free interval); every other round runs the configurations in reverse order.
 On CPU ours keeps host memory freed by a step for the next (``reuse_host_memory``);
 ``--baselines-keep-freed-memory`` gives torch's loop the same setting.
 Usage: python benchmarks/pipelining_peer.py [--nprocs 2] [--steps 12] [--repeats 1] [--baselines-keep-freed-memory]
@@ -31,7 +32,7 @@ import time
 from pathlib import Path
 
 import pipeline_static
-from _launch import in_turn, launch
+from _launch import in_turn, launch, ratio_verdict
 
 CONFIGS = ("ours_gpipe", "torch_gpipe", "ours_1f1b", "torch_1f1b")
 
@@ -139,10 +140,12 @@ def main() -> None:
     for schedule, ratio in ratios.items():
         each = " ".join(f"{r:.3f}" for r in per_round[schedule])
         print(f"ours / torch.distributed.pipelining, {schedule}: {ratio:.3f} (target >= 1.0); each round: {each}")
+        print(f"  {ratio_verdict(per_round[schedule])}")
     summary = {"command": " ".join([sys.executable, *sys.argv]), "settings": vars(args), "samples_per_sec": runs}
     summary["samples_per_sec_per_round"] = rounds
     summary["ours_over_torch"] = ratios
     summary["ours_over_torch_per_round"] = per_round
+    summary["ours_over_torch_verdict"] = {s: ratio_verdict(r) for s, r in per_round.items()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=2, default=str))
     print(f"written to {args.out}")
