@@ -7,10 +7,12 @@ which the stage runs while its message is under way (zero-bubble pipelining's sp
 into B and W, Qi et al. 2023). The stage runner splits only a step's last backward, where the
 stage would otherwise idle while the stage before it runs its own last backward: the two
 halves cost more than one fused backward (on CPU, about 63 against 54 ms for a micro-batch of
-``benchmarks/pipelining_peer.py``'s last stage), so splitting every backward gained nothing. Together they compute the fused backward's gradients: the
-weight half starts from the gradients the input half saw at the nodes where the weight
-branches join, and accumulates into ``.grad`` through the usual accumulators, so that
-post-accumulate-grad hooks (gradient sync) and tensor hooks run as in a fused backward.
+``benchmarks/pipelining_peer.py``'s last stage), so splitting every backward gained nothing.
+
+Together the halves compute the fused backward's gradients: the weight half starts from the
+gradients the input half saw at the nodes where the weight branches join, and accumulates into
+``.grad`` through the usual accumulators, so that post-accumulate-grad hooks (gradient sync)
+and tensor hooks run as in a fused backward.
 
 Which nodes those are comes from torch's own implementation of the split,
 ``torch.distributed.pipelining._backward.stage_backward_input`` (private: :data:`AVAILABLE`
