@@ -66,11 +66,11 @@ def worker(args: argparse.Namespace) -> None:
     ]
 
     def ours_step(images: torch.Tensor, labels: torch.Tensor) -> None:
-        ours_opt.zero_grad(set_to_none=True)
-        sync.begin_step(sync=True)
+        sync.begin_step(sync=True)  # in Lightning's order: the strategy's training_step runs the backward,
         sync.arm()
         torch.nn.functional.cross_entropy(ours(images), labels).backward()
         sync.end_step()
+        ours_opt.zero_grad(set_to_none=True)  # then Lightning's zero_grad, then the strategy's backward
         sync.install()
         ours_opt.step()
 

@@ -1,9 +1,11 @@
 """Train a tiny ViT twice side by side: gradients reduced by GradientSync, and by torch's DDP.
 
 Usage: torchrun --nproc_per_node=N ddp_peer_worker.py OUT_DIR BUCKET_BYTES ACCUMULATE
-Lightning's order of a step (``.grad`` zeroed at the first batch of each accumulation window
-only, the reduction on the window's last batch) with no Lightning around it: DDP skips the
-reduction with ``no_sync``, GradientSync with ``begin_step(sync=False)``. Writes
+Lightning's order of a step, with no Lightning around it: the loss divided by the window's
+length, ``.grad`` zeroed at the first batch of each accumulation window only (for GradientSync
+between the schedule and ``install``, as Lightning zeroes between ``training_step`` and
+``backward``), the reduction on the window's last batch; DDP skips it with ``no_sync``,
+GradientSync with ``begin_step(sync=False)``. Writes
 OUT_DIR/rank<R>.json: whether every weight is equal to the bit, and how many buckets started
 their all-reduce during a backward.
 """
@@ -58,17 +60,18 @@ def main() -> None:
     generator = torch.Generator().manual_seed(rank)
     for batch in range(4 * accumulate):
         images, labels = torch.randn(3, 3, 16, 16, generator=generator), torch.randint(0, 5, (3,), generator=generator)
-        reduce = (batch + 1) % accumulate == 0
-        if batch % accumulate == 0:
-            ours_opt.zero_grad(set_to_none=True)
-            ddp_opt.zero_grad(set_to_none=True)
-        sync.begin_step(sync=reduce)
+        first, reduce = batch % accumulate == 0, (batch + 1) % accumulate == 0
+        sync.begin_step(sync=reduce)  # the engine's training_step: the schedule's backwards
         sync.arm()
-        torch.nn.functional.cross_entropy(ours(images), labels).backward()
+        (torch.nn.functional.cross_entropy(ours(images), labels) / accumulate).backward()
         sync.end_step()
-        sync.install()
+        if first:  # Lightning's zero_grad, between training_step and backward
+            ours_opt.zero_grad(set_to_none=True)
+        sync.install()  # the strategy's backward
+        if first:
+            ddp_opt.zero_grad(set_to_none=True)
         with contextlib.nullcontext() if reduce else ddp.no_sync():
-            torch.nn.functional.cross_entropy(ddp(images), labels).backward()
+            (torch.nn.functional.cross_entropy(ddp(images), labels) / accumulate).backward()
         if reduce:
             ours_opt.step()
             ddp_opt.step()
