@@ -134,18 +134,19 @@ def main() -> None:
     pairs = [s for s in ("gpipe", "1f1b") if f"ours_{s}" in runs and f"torch_{s}" in runs]
     ratios = {s: runs[f"ours_{s}"] / runs[f"torch_{s}"] for s in pairs}
     per_round = {s: [o / t for o, t in zip(rounds[f"ours_{s}"], rounds[f"torch_{s}"])] for s in pairs}
+    verdicts = {s: ratio_verdict(r) for s, r in per_round.items()}
     print(f"\n{'config':<12} {'samples/s':>10}  (median of {args.repeats}; each round)")
     for config, rate in runs.items():
         print(f"{config:<12} {rate:>10.1f}  " + " ".join(f"{r:.1f}" for r in rounds[config]))
     for schedule, ratio in ratios.items():
         each = " ".join(f"{r:.3f}" for r in per_round[schedule])
         print(f"ours / torch.distributed.pipelining, {schedule}: {ratio:.3f} (target >= 1.0); each round: {each}")
-        print(f"  {ratio_verdict(per_round[schedule])}")
+        print(f"  {verdicts[schedule]}")
     summary = {"command": " ".join([sys.executable, *sys.argv]), "settings": vars(args), "samples_per_sec": runs}
     summary["samples_per_sec_per_round"] = rounds
     summary["ours_over_torch"] = ratios
     summary["ours_over_torch_per_round"] = per_round
-    summary["ours_over_torch_verdict"] = {s: ratio_verdict(r) for s, r in per_round.items()}
+    summary["ours_over_torch_verdict"] = verdicts
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=2, default=str))
     print(f"written to {args.out}")
