@@ -35,6 +35,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from lightning_pipetx.blocks import find_blocks
     from lightning_pipetx.strategy.grad_sync import GradientSync
     from lightning_pipetx.strategy.host_memory import keep_freed_memory
     from lightning_pipetx.strategy.topology import Layout, Topology
@@ -45,15 +46,10 @@ def worker(args: argparse.Namespace) -> None:
     ours, theirs = pipeline_static.build_module(args).model, pipeline_static.build_module(args).model
     ddp = DistributedDataParallel(theirs, bucket_cap_mb=args.bucket_cap_mb)
     ours_opt, ddp_opt = torch.optim.AdamW(ours.parameters(), lr=1e-4), torch.optim.AdamW(theirs.parameters(), lr=1e-4)
-    params = list(ours.parameters())
-    in_blocks = {id(p) for block in ours.blocks for p in block.parameters()}
-    sync = GradientSync(
-        params,
-        [p for p in params if id(p) in in_blocks],
-        [p for p in params if id(p) not in in_blocks],
-        Topology(Layout(1, world), rank),
-        int(args.bucket_cap_mb * 2**20),
-        lambda: [ours_opt],
+    split = find_blocks(ours)  # a 1xN layout: one stage runs every block
+    topology = Topology(Layout(1, world), rank)
+    sync = GradientSync.for_stage(
+        ours, split, range(split.num_blocks), topology, int(args.bucket_cap_mb * 2**20), lambda: [ours_opt]
     )
     generator = torch.Generator().manual_seed(rank)
     per_rank = args.batch // world

@@ -76,25 +76,17 @@ class PipelineEngine:
         self._other_stages_params = [
             (i, p) for i in range(split.num_blocks) if i not in self.block_range for p in split.block_parameters(i)
         ]
-        block_param_ids = {id(p) for i in range(split.num_blocks) for p in split.block_parameters(i)}
         block_buffer_ids = {id(b) for b in split.blocks.buffers()}
         pre_buffer_ids = {id(b) for _, pre in split.pre for b in pre.buffers()}
         outer_buffers = [b for b in module.buffers() if id(b) not in block_buffer_ids]
         self.pre_buffers = [b for b in outer_buffers if id(b) in pre_buffer_ids]
         self.post_buffers = [b for b in outer_buffers if id(b) not in pre_buffer_ids]
-        all_params = list(module.parameters())
-        self.grad_sync = GradientSync(
-            all_params,
-            [p for i in self.block_range for p in split.block_parameters(i)],
-            [p for p in all_params if id(p) not in block_param_ids],
-            self.topology,
-            bucket_bytes,
-            optimizers,
-            timeout,
+        self.grad_sync = GradientSync.for_stage(
+            module, split, self.block_range, self.topology, bucket_bytes, optimizers, timeout
         )
         self.runner.on_last_backward = self.grad_sync.arm
         self.runner.split_backward = split_backward and split_backward_available and plan.layout.pipeline_length > 1
-        self.runner.weights = lambda: [p for p in all_params if p.requires_grad]
+        self.runner.weights = lambda: [p for p in self.grad_sync.all_params if p.requires_grad]
         self.recorder = LogRecorder(module, pipelined=self.topology.pipeline_length > 1)
         self.log_share = LogShare(self.topology, device)
         self.profile_steps = 0  # training steps still to time, after one warm-up step

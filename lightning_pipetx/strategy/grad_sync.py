@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_pipetx.blocks import BlockSplit
 from lightning_pipetx.strategy.grad_buckets import Bucket, make_buckets, wait_and_install
 from lightning_pipetx.strategy.topology import Topology
 from lightning_pipetx.strategy.transition import broadcast_shared
@@ -97,6 +98,32 @@ class GradientSync:
         self._fresh: list[torch.Tensor | None] | None = None
         self._window_open = False  # the previous step accumulated: Lightning will not zero .grad
         self.launched_during_backward = 0  # buckets whose all-reduce started before the backward ended
+
+    @classmethod
+    def for_stage(
+        cls,
+        module: nn.Module,
+        split: BlockSplit,
+        block_range: range,
+        topology: Topology,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        optimizers: Callable[[], Sequence[Optimizer]] = list,
+        timeout: timedelta | None = None,
+    ) -> GradientSync:
+        """The gradient sync of the stage that runs blocks ``block_range`` of ``split`` (a block list
+        of ``module``): those blocks' weights are its stage parameters, every weight outside the
+        block list is shared."""
+        all_params = list(module.parameters())
+        block_ids = {id(p) for i in range(split.num_blocks) for p in split.block_parameters(i)}
+        return cls(
+            all_params,
+            [p for i in block_range for p in split.block_parameters(i)],
+            [p for p in all_params if id(p) not in block_ids],
+            topology,
+            bucket_bytes,
+            optimizers,
+            timeout,
+        )
 
     # ------------------------------------------------------------ a step
     def begin_step(self, sync: bool) -> None:

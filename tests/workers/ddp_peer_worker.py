@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from worker_exit import run_worker
 
+from lightning_pipetx.blocks import find_blocks
 from lightning_pipetx.strategy.grad_sync import GradientSync
 from lightning_pipetx.strategy.topology import Layout, Topology
 
@@ -47,16 +48,9 @@ def main() -> None:
     ddp = DistributedDataParallel(theirs, bucket_cap_mb=bucket_bytes / 2**20)
     ours_opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
     ddp_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
-    params = list(ours.parameters())
-    in_blocks = {id(p) for block in ours.blocks for p in block.parameters()}
-    sync = GradientSync(
-        params,
-        [p for p in params if id(p) in in_blocks],
-        [p for p in params if id(p) not in in_blocks],
-        Topology(Layout(1, world), rank),
-        bucket_bytes,
-        lambda: [ours_opt],
-    )
+    split = find_blocks(ours)  # a 1xN layout: one stage runs every block
+    topology = Topology(Layout(1, world), rank)
+    sync = GradientSync.for_stage(ours, split, range(split.num_blocks), topology, bucket_bytes, lambda: [ours_opt])
     generator = torch.Generator().manual_seed(rank)
     for batch in range(4 * accumulate):
         images, labels = torch.randn(3, 3, 16, 16, generator=generator), torch.randint(0, 5, (3,), generator=generator)
