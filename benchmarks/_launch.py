@@ -3,6 +3,7 @@ configurations in rounds, and say whether the rounds resolve a ratio from 1."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -18,6 +19,12 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def add_worker_options(parser: argparse.ArgumentParser) -> None:
+    """The hidden options :func:`launch` starts a worker with: ``--worker CONFIG --result-dir DIR``."""
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
 
 
 def launch(script: str, config: str, nprocs: int, argv: list[str], result_dir: str) -> list[dict]:

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _launch import launch
+from _launch import add_worker_options, launch
 
 CONFIGS = ("ddp", "pipe", "freeze_static", "elastic_nocache", "elastic")
 
@@ -125,8 +125,7 @@ def main() -> None:
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--out", default=None, help="default: results/elastic_<nprocs>.json")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
+    add_worker_options(parser)
     args = parser.parse_args()
     args.pipeline_length = args.pipeline_length or args.nprocs
     if args.worker:

@@ -46,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _launch import in_turn, launch
+from _launch import add_worker_options, in_turn, launch
 from freeze_diagnostics import DIAGNOSTICS, gradient_drop
 from pipeline_static import add_keep_freed_memory_option, keep_freed_memory_if_asked
 
@@ -413,8 +413,7 @@ def main() -> None:
     add_keep_freed_memory_option(parser, "plain and the ddp configurations")
     parser.add_argument("--out", default="results/finetune.json")
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
+    add_worker_options(parser)
     args = parser.parse_args()
     defaults = FULL if args.full else SMALL
     for key, value in defaults.items():

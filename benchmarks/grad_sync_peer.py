@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _launch import launch, median_interval, ratio_verdict, write_json
+from _launch import add_worker_options, launch, median_interval, ratio_verdict, write_json
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -113,8 +113,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=192)
     parser.add_argument("--img-size", type=int, default=64)
     parser.add_argument("--out", default="results/grad_sync_peer.json")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
+    add_worker_options(parser)
     args = parser.parse_args()
     if args.worker:
         worker(args)

@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _launch import in_turn, launch, ratio_verdict
+from _launch import add_worker_options, in_turn, launch, ratio_verdict
 
 
 def build_module(args: argparse.Namespace):
@@ -196,8 +196,7 @@ def main() -> None:
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
     add_keep_freed_memory_option(parser, "ddp and single")
     parser.add_argument("--out", default="results/pipeline_static.json")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
+    add_worker_options(parser)
     args = parser.parse_args()
     if args.worker:
         worker(args)

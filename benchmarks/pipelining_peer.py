@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import pipeline_static
-from _launch import in_turn, launch, ratio_verdict
+from _launch import add_worker_options, in_turn, launch, ratio_verdict
 
 CONFIGS = ("ours_gpipe", "torch_gpipe", "ours_1f1b", "torch_1f1b")
 
@@ -106,8 +106,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs of each configuration, in turn (median)")
     pipeline_static.add_keep_freed_memory_option(parser, "torch.distributed.pipelining")
     parser.add_argument("--out", default="results/pipelining_peer.json")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
+    add_worker_options(parser)
     args = parser.parse_args()
     if args.worker:
         system, schedule = args.worker.split("_")

@@ -36,7 +36,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from _launch import launch, write_json
+from _launch import add_worker_options, launch, write_json
 from finetune import FUSED
 
 CONFIGS = ("ddp", "full")
@@ -224,8 +224,7 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/step_time.json")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
+    add_worker_options(parser)
     args = parser.parse_args()
     if args.epochs < 2:
         parser.error("--epochs must be at least 2: the next-to-last epoch is timed, the last one profiled")

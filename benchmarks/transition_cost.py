@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _launch import launch
+from _launch import add_worker_options, launch
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -105,8 +105,7 @@ def main() -> None:
         "--finetune-json", default="results/finetune.json", help="benchmarks/finetune.py's JSON (its default --out)"
     )
     parser.add_argument("--out", default="results/transition_cost.json")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
+    add_worker_options(parser)
     args = parser.parse_args()
     if args.worker:
         worker(args)
