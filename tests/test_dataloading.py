@@ -4,6 +4,8 @@ Lightning's DistributedSampler, the DistributedSamplerWrapper it puts around a u
 subclasses. A DistributedSampler of the user's is dealt again to the new replicas; another sampler
 of the user's keeps the replicas. A float limit_val_batches keeps layouts that validate a batch."""
 
+import contextlib
+
 import pytest
 import torch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
@@ -158,3 +160,38 @@ def test_more_replicas_without_keeping_the_global_batch_warn_that_epochs_change_
     with pytest.warns(UserWarning, match="another number of optimizer steps than trainer.estimated_stepping_batches"):
         dealt = autodp.reshard(train, 2, 0)
     assert len(dealt) == 4  # 16 of the 32 samples, in batches of 4
+
+
+class _Marking(DataLoader):
+    """A DataLoader subclass of the user's, with an argument of its own."""
+
+    def __init__(self, dataset, offset, *args, **kwargs):
+        super().__init__(dataset, *args, **kwargs)
+        self.offset = offset
+
+
+class _Fixed(DataLoader):
+    """A DataLoader subclass that sets its own batch size and does not keep its argument."""
+
+    def __init__(self, dataset, hidden):
+        super().__init__(dataset, batch_size=4)
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_rebatched_loader_keeps_the_users_class_and_arguments(wrapped):
+    from lightning.fabric.utilities.data import _replace_dunder_methods
+
+    data = list(range(SAMPLES))
+    with _replace_dunder_methods(DataLoader, "dataset") if wrapped else contextlib.nullcontext():
+        # As Lightning records a loader built in a *_dataloader hook, batch_size given by position.
+        loader = _Marking(data, 7, BATCH, sampler=DistributedSampler(data, 1, 0), num_workers=0)
+    dealt = rebatch(deal_again(loader, 2, 1), (BATCH, 1), 2)
+    assert type(dealt) is _Marking and dealt.offset == 7 and dealt.batch_size == BATCH // 2
+    assert (dealt.sampler.num_replicas, dealt.sampler.rank) == (2, 1)
+    assert [len(batch) for batch in dealt] == [4] * 5
+
+
+def test_a_loader_class_that_cannot_be_built_again_is_refused_with_the_fix():
+    loader = _Fixed(list(range(SAMPLES)), hidden=1)
+    with pytest.raises(ValueError, match="cannot build the training _Fixed again.*train_dataloader hook"):
+        rebatch(loader, (4, 1), 2)

@@ -163,6 +163,44 @@ def test_a_combined_loader_is_sharded_for_the_new_replicas(tmp_path, kind):
             assert len(first) == len(second) == 8 and sorted(first + second) == list(range(16))
 
 
+def _loader_reports(tmp_path, kind):
+    run_workers("loader_kinds_worker.py", 2, str(tmp_path), kind)
+    return [json.loads((tmp_path / f"{kind}_rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def _sizes(report, loader):
+    return {epoch: [len(batch) for batch in seen[loader]] for epoch, seen in report["batches"].items()}
+
+
+def test_each_loader_of_a_combined_loader_keeps_its_own_global_batch(tmp_path):
+    # Loaders of 4 and 2 samples a batch: on 2 replicas 2 and 1 each, in as many steps an epoch.
+    ranks = _loader_reports(tmp_path, "two_loaders")
+    assert ranks[0]["layouts"] == ["2x1", "2x1", "1x2"] and ranks[0]["global_step"] == 24
+    for rank in ranks:
+        assert _sizes(rank, "a") == {"0": [4] * 8, "1": [4] * 8, "2": [2] * 8}
+        assert _sizes(rank, "b") == {"0": [2] * 8, "1": [2] * 8, "2": [1] * 8}
+    for loader in ("a", "b"):  # two replicas: each trains on its half, as under DDP ("a" cycled twice)
+        halves = [set(sum(rank["batches"]["2"][loader], [])) for rank in ranks]
+        assert len(halves[0]) == len(halves[1]) == 8 and halves[0] | halves[1] == set(range(16))
+
+
+def test_a_loader_beside_others_that_cannot_be_dealt_to_more_replicas_keeps_them(tmp_path):
+    # An IterableDataset second: two replicas would each train its 16 samples.
+    ranks = _loader_reports(tmp_path, "stream_beside")
+    assert ranks[0]["layouts"] == ["2x1", "2x1", "2x1"] and ranks[0]["global_step"] == 12
+    assert all(sum(rank["batches"]["2"]["b"], []) == list(range(100, 116)) for rank in ranks)
+
+
+def test_a_users_loader_class_and_a_reloaded_batch_size_are_kept_across_a_transition(tmp_path):
+    # The hook's Marking loader: batches of 4, then of 8 from epoch 1 on (4 on each of 2 replicas).
+    ranks = _loader_reports(tmp_path, "subclass_reloaded")
+    assert ranks[0]["layouts"] == ["2x1", "2x1", "1x2"] and ranks[0]["global_step"] == 16
+    for rank in ranks:
+        assert rank["loader_class"] == "Marking"
+        assert _sizes(rank, "main") == {"0": [4] * 8, "1": [8] * 4, "2": [4] * 4}
+        assert all(index >= 1000 for seen in rank["batches"].values() for batch in seen["main"] for index in batch)
+
+
 def test_ranks_that_shard_the_data_themselves_never_read_each_other_s_cached_states(tmp_path):
     # Without Lightning's sampler index i may be another sample on each rank: the node's shared
     # cache file would serve one rank the states of the other's samples.

@@ -73,8 +73,10 @@ class AutoDP:
 
     def __init__(self, keep_global_batch: bool = True) -> None:
         self.keep_global_batch = keep_global_batch
-        self.batch0: tuple[int | None, int] | None = None  # the user's batch size, and the replicas it was for
+        self.replicas0: int | None = None  # the replicas the user's training loaders are for: the run's first
+        self.batch_sizes: list[int | None] = []  # of the training loaders built last (None: cannot be re-batched)
         self.fixed_replicas: int | None = None  # the training samples cannot be dealt to other replicas
+        self._told: set[str] = set()  # why layouts keep their replicas, logged once a run
         self.batch_norm_replicas: int | None = None  # batch norms in training normalize each replica's batch
         self._warned_epoch_length = False
         self.validation: dict[DealtLoader, float] = {}  # fit's validation loaders, and a float limit_val_batches
@@ -82,9 +84,10 @@ class AutoDP:
         self.world_size = 1
 
     def reset(self, world_size: int) -> None:
-        self.batch0, self.fixed_replicas, self.moving, self.world_size = None, None, False, world_size
-        self.batch_norm_replicas = None
+        self.replicas0, self.fixed_replicas, self.moving, self.world_size = None, None, False, world_size
+        self.batch_sizes, self.batch_norm_replicas = [], None
         self._warned_epoch_length = False
+        self._told.clear()
         self.validation.clear()
 
     def accepts(self, layout: Layout) -> bool:
@@ -96,7 +99,9 @@ class AutoDP:
             return False
         if any(int(loader.batches(replicas) * limit) < 1 for loader, limit in self.validation.items()):
             return False
-        return not self.keep_global_batch or global_batch_fits(self.batch0, replicas)
+        if not self.keep_global_batch:
+            return True
+        return all(global_batch_fits((size, self.replicas0), replicas) for size in self.batch_sizes)
 
     def keep_replicas_for_batch_norms(self, names: list[str], replicas: int) -> None:
         """While batch norms ``names`` train (in training mode: they normalize each replica's batch by
@@ -111,40 +116,55 @@ class AutoDP:
             )
         self.batch_norm_replicas = kept
 
+    def training_loaders_requested(self) -> None:
+        """Lightning asked the source for the training loaders (a fit's first build, a reload of the
+        user's, or a rebuild for new replicas): their constraints are taken again as each is processed."""
+        self.batch_sizes.clear()
+        self.fixed_replicas = None
+
     def reshard(self, dataloader: DataLoader, replicas: int, rank: int) -> DataLoader:
-        """The training loader for replica ``rank`` of ``replicas``."""
-        if self.batch0 is None:
-            self.batch0 = (batch_size_to_keep(dataloader), replicas)
-            if not deals_to_replicas(dataloader):
-                self.fixed_replicas = replicas
-            if self.fixed_replicas is not None and self.world_size > replicas:
-                log.info(
-                    "pipetx: the training DataLoader's samples are not dealt to the replicas by a DistributedSampler "
-                    "(a sampler of yours, or an IterableDataset): layouts keep %d replicas, as more would train the "
-                    "same samples; a map-style dataset with Lightning's sampler (use_distributed_sampler=True) lifts this",
-                    replicas,
-                )
-            elif self.keep_global_batch and self.batch0[0] is None:
-                log.info(
-                    "pipetx: the training DataLoader cannot be re-batched (a batch_sampler): layouts keep %d "
-                    "replicas, so that the global batch stays yours; keep_global_batch=False lifts this",
-                    replicas,
-                )
+        """The training loader ``dataloader`` (one of a ``CombinedLoader``'s, or the only one, with
+        the batch size the user gave it) for replica ``rank`` of ``replicas``."""
+        if self.replicas0 is None:
+            self.replicas0 = replicas
+        batch0 = (batch_size_to_keep(dataloader), self.replicas0)
+        self.batch_sizes.append(batch0[0])
+        if not deals_to_replicas(dataloader) and self.fixed_replicas is None:
+            self.fixed_replicas = replicas
+            self._tell(
+                "fixed",
+                "the training DataLoader's samples are not dealt to the replicas by a DistributedSampler (a sampler "
+                "of yours, or an IterableDataset): layouts keep %d replicas, as more would train the same samples; a "
+                "map-style dataset with Lightning's sampler (use_distributed_sampler=True) lifts this",
+                replicas,
+            )
+        elif self.keep_global_batch and batch0[0] is None:
+            self._tell(
+                "batch_sampler",
+                "the training DataLoader cannot be re-batched (a batch_sampler): layouts keep %d replicas, so that "
+                "the global batch stays yours; keep_global_batch=False lifts this",
+                replicas,
+            )
         dataloader = deal_again(dataloader, replicas, rank)
-        if replicas == self.batch0[1]:
+        if replicas == self.replicas0:
             return dataloader
         if not self.keep_global_batch:
             if not self._warned_epoch_length:
                 self._warned_epoch_length = True
                 rank_zero_warn(
                     f"ElasticPipelineStrategy(keep_global_batch=False): {replicas} replicas (the run began with "
-                    f"{self.batch0[1]}) each keep the batch size, so the global batch changed and an epoch has "
+                    f"{self.replicas0}) each keep the batch size, so the global batch changed and an epoch has "
                     f"another number of optimizer steps than trainer.estimated_stepping_batches counted: a "
                     f"learning-rate schedule stepped per step and sized from it no longer ends with the run. Keep "
                     f"the default keep_global_batch=True, or size the schedule in epochs."
                 )
             return dataloader
-        return keep_epoch_length(rebatch(dataloader, self.batch0, replicas), self.batch0)
+        return keep_epoch_length(rebatch(dataloader, batch0, replicas), batch0)
+
+    def _tell(self, reason: str, message: str, replicas: int) -> None:
+        if reason not in self._told and self.world_size > replicas:
+            self._told.add(reason)
+            log.info("pipetx: " + message, replicas)
 
     def note_validation(self, dataloader: DataLoader, limit: float | int) -> None:
         """Record one of fit's validation loaders, where ``limit`` (``limit_val_batches``) is a share."""

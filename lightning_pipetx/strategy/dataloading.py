@@ -8,6 +8,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from lightning_pipetx.strategy.shard_sampler import StableShardSampler
@@ -47,7 +50,7 @@ def deal_again(loader: DataLoader, replicas: int, rank: int) -> DataLoader:
         return like(loader, sampler=dealt)
     batches = copy.copy(loader.batch_sampler)
     batches.sampler = dealt
-    return DataLoader(loader.dataset, batch_sampler=batches, **_loading_kwargs(loader))
+    return like(loader, batch_sampler=batches)
 
 
 def share_length(samples: int, replicas: int, drop_last: bool) -> int:
@@ -151,15 +154,39 @@ def _dealing(sampler: DistributedSampler, replicas: int, rank: int, drop_last: b
     return dealt
 
 
-def like(loader: DataLoader, batch_size: int | None = None, sampler: Any = None) -> DataLoader:
-    """A loader like ``loader`` (workers, collation, pinning), with another batch size or sampler."""
-    return DataLoader(
-        loader.dataset,
-        batch_size=batch_size or loader.batch_size,
-        sampler=sampler or loader.sampler,
-        drop_last=loader.drop_last,
-        **_loading_kwargs(loader),
-    )
+def like(
+    loader: DataLoader, batch_size: int | None = None, sampler: Any = None, batch_sampler: Any = None
+) -> DataLoader:
+    """A loader like ``loader``, with another batch size, sampler or batch sampler: of its class and
+    with its arguments (workers, collation, pinning, a subclass's own), built again as Lightning
+    builds one to inject its distributed sampler."""
+    try:
+        args, kwargs = _get_dataloader_init_args_and_kwargs(loader, sampler or loader.sampler)
+    except (TypeError, MisconfigurationException) as error:  # a batch sampler Lightning cannot rebuild
+        if type(loader) is not DataLoader:
+            raise ValueError(
+                f"ElasticPipelineStrategy cannot build the training {type(loader).__name__} again for another "
+                f"number of replicas ({error}). Create it in the train_dataloader hook (Lightning then records its "
+                f"arguments), or pass keep_global_batch=False and sampler='distributed'."
+            ) from error
+        args, kwargs = (), _plain_arguments(loader, sampler or loader.sampler)
+    kwargs = dict(kwargs)  # a loader Lightning wrapped lends its saved arguments
+    if batch_sampler is not None:  # exclusive with batch_size, shuffle, sampler and drop_last
+        kwargs.update(sampler=None, shuffle=False, batch_size=1, drop_last=False)
+        args, kwargs = _with_argument(loader, args, kwargs, "batch_sampler", batch_sampler)
+    elif batch_size is not None:
+        args, kwargs = _with_argument(loader, args, kwargs, "batch_size", batch_size)
+    return _reinstantiate_wrapped_cls(loader, *args, **kwargs)
+
+
+def _with_argument(loader: DataLoader, args: tuple, kwargs: dict[str, Any], name: str, value: Any) -> tuple:
+    """``args`` and ``kwargs`` (to build ``loader`` again) with argument ``name`` set to ``value``:
+    where the user passed it by position, in its place."""
+    names = getattr(loader, "__pl_saved_arg_names", ())
+    if name in names:
+        index = names.index(name)
+        return args[:index] + (value,) + args[index + 1 :], kwargs
+    return args, {**kwargs, name: value}
 
 
 def shards_one_index_space(loader: DataLoader) -> bool:
@@ -183,17 +210,23 @@ def stable_shards(loader: DataLoader) -> DataLoader:
     return like(loader, sampler=stable)
 
 
-def _loading_kwargs(loader: DataLoader) -> dict[str, Any]:
-    """How ``loader`` loads (workers, collation, pinning), to build a like one."""
-    kwargs = {
-        "num_workers": loader.num_workers,
-        "collate_fn": loader.collate_fn,
-        "pin_memory": loader.pin_memory,
-        "timeout": loader.timeout,
-        "worker_init_fn": loader.worker_init_fn,
-        "generator": loader.generator,
-        "pin_memory_device": loader.pin_memory_device,
-    }
+def _plain_arguments(loader: DataLoader, sampler: Any) -> dict[str, Any]:
+    """The arguments of a plain ``DataLoader`` like ``loader`` (batching, workers, collation, pinning)
+    drawing from ``sampler``."""
+    if loader.batch_size is None:
+        kwargs: dict[str, Any] = {"batch_sampler": loader.batch_sampler}
+    else:
+        kwargs = {"batch_size": loader.batch_size, "sampler": sampler, "drop_last": loader.drop_last}
+    kwargs.update(
+        dataset=loader.dataset,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        generator=loader.generator,
+        pin_memory_device=loader.pin_memory_device,
+    )
     if loader.num_workers > 0:
         kwargs.update(
             multiprocessing_context=loader.multiprocessing_context,

@@ -475,6 +475,8 @@ class ElasticPipelineStrategy(DDPStrategy):
     def barrier(self, name: str | None = None) -> None:
         if name is not None and name.endswith("_dataloader()"):  # a loop about to build its loaders
             self._loaders_named = name.removesuffix("_dataloader()")
+            if self._loaders_named == "train":
+                self._autodp.training_loaders_requested()
         if self.failure_group is not None:  # the run stopped on an exception: the world's group may be out of step
             dist.barrier(group=self.failure_group)
             return

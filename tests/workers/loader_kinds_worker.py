@@ -9,6 +9,8 @@ Every rank writes OUT_DIR/<KIND>_rank<N>.json: the layout each epoch and the fro
 fit, which goes 2x1 -> 1x2; the report has the samples each epoch trained on this rank.
 ``own_distributed`` and ``own_sequential``: a sampler of the user's (see :class:`OwnSampler`).
 ``val_share``: a float ``limit_val_batches`` that 2 replicas would take no batch of.
+``two_loaders``, ``stream_beside`` and ``subclass_reloaded``: see :data:`TRAINING_LOADERS`; the
+report has each epoch's batches by loader on this rank.
 """
 
 import json
@@ -117,6 +119,100 @@ def combined(out_dir: str, kind: str) -> None:
         json.dump(report, handle)
 
 
+class Marking(DataLoader):
+    """A DataLoader subclass of the user's, with an argument of its own: adds ``offset`` to each index it yields."""
+
+    def __init__(self, dataset, offset, **kwargs):
+        super().__init__(dataset, **kwargs)
+        self.offset = offset
+
+    def __iter__(self):
+        for x, y, index in super().__iter__():
+            yield x, y, index + self.offset
+
+
+class IndexedStream(IterableDataset):
+    """16 samples, the same on every rank, in order, indexed 100-115."""
+
+    def __iter__(self):
+        samples = IndexedVectors(size=16, seed=1)
+        return ((x, y, index + 100) for x, y, index in (samples[i] for i in range(16)))
+
+
+# What train_dataloader returns in an epoch, and reload_dataloaders_every_n_epochs.
+TRAINING_LOADERS = {
+    # Two loaders of their own batch sizes: each keeps its global batch.
+    "two_loaders": (
+        lambda epoch: CombinedLoader(
+            {
+                "a": DataLoader(IndexedVectors(size=16), batch_size=4, shuffle=True),
+                "b": DataLoader(IndexedVectors(size=16, seed=1), batch_size=2, shuffle=True),
+            },
+            "max_size_cycle",
+        ),
+        0,
+    ),
+    # A second loader that cannot be dealt to more replicas: the layout keeps its one.
+    "stream_beside": (
+        lambda epoch: CombinedLoader(
+            {
+                "a": DataLoader(IndexedVectors(size=16), batch_size=4, shuffle=True),
+                "b": DataLoader(IndexedStream(), batch_size=4),
+            },
+            "max_size_cycle",
+        ),
+        0,
+    ),
+    # A loader of the user's class, reloaded every epoch with another batch size from epoch 1 on.
+    "subclass_reloaded": (
+        lambda epoch: Marking(IndexedVectors(size=32), offset=1000, batch_size=4 if epoch == 0 else 8, shuffle=True),
+        1,
+    ),
+}
+
+
+class BatchRecorder(TinySequentialRegressor):
+    """Trains on every loader's batch at once; records each epoch's batches (sample indices) by loader."""
+
+    def __init__(self, loaders):
+        super().__init__(seed=0, dropout=0.0)
+        self.loaders = loaders
+        self.seen = {}
+
+    def train_dataloader(self):
+        return self.loaders(self.current_epoch)
+
+    def training_step(self, batch, batch_idx):
+        parts = batch if isinstance(batch, dict) else {"main": batch}
+        for key, (_, _, index) in parts.items():  # on every stage: before the model call
+            self.seen.setdefault(self.current_epoch, {}).setdefault(key, []).append(index.tolist())
+        x = torch.cat([parts[key][0] for key in sorted(parts)])
+        y = torch.cat([parts[key][1] for key in sorted(parts)])
+        return super().training_step((x, y), batch_idx)
+
+
+def training_loaders(out_dir: str, kind: str) -> None:
+    loaders, reload_every = TRAINING_LOADERS[kind]
+    module, layouts = BatchRecorder(loaders), Layouts()
+    strategy = ElasticPipelineStrategy(pipeline_length=2, num_microbatches=1, profile_steps=0, cache=False)
+    trainer = make_trainer(
+        [FreezeCallback(alpha=0.5, signal="schedule"), layouts],
+        devices=2,
+        strategy=strategy,
+        reload_dataloaders_every_n_epochs=reload_every,
+    )
+    trainer.fit(module)
+    loader = trainer.train_dataloader
+    report = {
+        "layouts": layouts.layouts,
+        "global_step": trainer.global_step,
+        "batches": module.seen,
+        "loader_class": type(loader).__name__,
+    }
+    with open(os.path.join(out_dir, f"{kind}_rank{trainer.global_rank}.json"), "w") as handle:
+        json.dump(report, handle)
+
+
 class OwnSampler(TinySequentialRegressor):
     """Shards the data itself (``use_distributed_sampler=False``): with a DistributedSampler built
     from ``trainer.strategy.distributed_sampler_kwargs`` (``own_distributed``), what Lightning's
@@ -200,6 +296,9 @@ def main():
         return
     if kind.startswith("combined"):
         combined(out_dir, kind)
+        return
+    if kind in TRAINING_LOADERS:
+        training_loaders(out_dir, kind)
         return
     if kind == "iterable":
         loader = DataLoader(Stream(), batch_size=4)
