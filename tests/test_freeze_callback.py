@@ -1174,3 +1174,27 @@ def test_gradient_norm_rows_of_a_stopped_run_count_the_steps_every_rank_recorded
     output = run_workers("norms_worker.py", 2, "stopped", timeout=120)
     for rank in (0, 1):
         assert f"rank {rank} sums [3.0, 3.0] steps 2" in output, output[-3000:]
+
+
+class _FrozenAtStart(Callback):
+    """The number of weights that do not train when a fit starts."""
+
+    def __init__(self):
+        self.frozen = []
+
+    def on_train_start(self, trainer, pl_module):
+        self.frozen.append(sum(not p.requires_grad for p in pl_module.parameters()))
+
+
+def test_a_callback_reused_for_another_model_starts_it_with_nothing_frozen():
+    freeze, at_start = FreezeCallback(alpha=0.25, signal="schedule"), _FrozenAtStart()
+    first = tm.TinySequentialRegressor(seed=0, num_blocks=8)
+    tm.make_trainer([freeze, at_start], max_epochs=2).fit(first, tm.task_loader("sequential", size=16))
+    assert (freeze.frozen_blocks, freeze.decisions) == (4, 2)
+    # The same model fitted on: its frozen prefix stays and the decisions go on.
+    tm.make_trainer([freeze, at_start], max_epochs=1).fit(first, tm.task_loader("sequential", size=16))
+    assert (freeze.frozen_blocks, freeze.decisions) == (5, 3) and at_start.frozen[1] > 0
+    # Another model: trained from nothing frozen, decided as by a new callback.
+    second = tm.TinySequentialRegressor(seed=0, num_blocks=8)
+    tm.make_trainer([freeze, at_start], max_epochs=2).fit(second, tm.task_loader("sequential", size=16))
+    assert at_start.frozen[2] == 0 and (freeze.frozen_blocks, freeze.decisions) == (4, 2)

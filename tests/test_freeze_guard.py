@@ -131,3 +131,48 @@ def test_the_guard_judges_the_mean_over_replicas_across_a_transition(tmp_path):
         # Each replica sees 0 or 1 after the transition; their mean stays the 0.5 of one replica.
         assert report["best"] == pytest.approx(0.5) and not report["stopped"]
         assert report["frozen"] == 3
+
+
+class MidEpochDip(tm.TinySequentialRegressor):
+    """Validates twice an epoch: ``val_acc`` 0.0 at epoch 1's first validation, 1.0 at every other."""
+
+    def __init__(self):
+        super().__init__(seed=0, num_blocks=8)
+
+    def validation_step(self, batch, batch_idx):
+        loop = self.trainer.fit_loop.epoch_loop
+        mid_epoch = loop.batch_progress.current.ready < self.trainer.num_training_batches
+        self.log("val_acc", 0.0 if self.current_epoch == 1 and mid_epoch else 1.0)
+
+
+def _fit_to(max_steps, ckpt_path=None, checkpoints=None):
+    freeze = FreezeCallback(alpha=0.25, signal="schedule", monitor="val_acc", tolerance=0.5)
+    callbacks = [freeze] + ([ModelCheckpoint(**checkpoints)] if checkpoints else [])
+    options = dict(
+        max_steps=max_steps, val_check_interval=0.5, limit_val_batches=1, enable_checkpointing=bool(checkpoints)
+    )
+    trainer = tm.make_trainer(callbacks, max_epochs=-1, **options)
+    loader = tm.task_loader("sequential", size=32, batch_size=4)  # 8 steps an epoch
+    trainer.fit(MidEpochDip(), loader, tm.task_loader("sequential", size=4, batch_size=4), ckpt_path=ckpt_path)
+    return freeze
+
+
+def test_an_epoch_cut_short_is_judged_when_the_resumed_run_completes_it(tmp_path):
+    # Only the last validation of an epoch is judged: epoch 1's dip is followed by 1.0 at its end.
+    whole = _fit_to(32)
+    assert whole.frozen_blocks == 6 and not whole.guard.stopped
+    # Cut at step 14 (epoch 1, after its first validation), resumed to step 32: as the whole run.
+    checkpoints = dict(dirpath=tmp_path, filename="{step}", save_top_k=-1, save_on_train_epoch_end=True)
+    cut = _fit_to(14, checkpoints=checkpoints)
+    assert cut.frozen_blocks == 2 and not cut.guard.stopped
+    resumed = _fit_to(32, ckpt_path=tmp_path / "step=14.ckpt")
+    assert resumed.frozen_blocks == 6 and not resumed.guard.stopped
+
+
+def test_a_decision_before_any_guarded_validation_warns_once():
+    # No validation loader: the guard never sees its metric, and says so at the first decision.
+    freeze = FreezeCallback(alpha=1 / 3, signal="schedule", monitor="val_acc")
+    trainer = tm.make_trainer([freeze], max_epochs=3)
+    with pytest.warns(UserWarning, match="monitor='val_acc'.*before the decision after epoch 0") as caught:
+        trainer.fit(tm.TinySequentialRegressor(seed=0, num_blocks=6), tm.task_loader("sequential", size=16))
+    assert freeze.frozen_blocks == 5 and sum("monitor='val_acc'" in str(w.message) for w in caught) == 1

@@ -117,7 +117,8 @@ class IntervalNorms:
         return totals[:-1], int(totals[-1])
 
     def reset(self) -> None:
-        self.sums.zero_()
+        if self.sums is not None:
+            self.sums.zero_()
         self.steps = 0
 
     def load(self, sums: list[float] | None, steps: int) -> None:

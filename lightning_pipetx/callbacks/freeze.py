@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from typing import Any
 
 import lightning.pytorch as pl
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 
 from lightning_pipetx.blocks import BlockListNotFoundError, BlockSplit, find_blocks
@@ -77,9 +79,9 @@ class FreezeCallback(Callback):
             step until the cap is reached or the guard stops freezing; then no decision uses them.
         blocks: dotted path of the block list inside the LightningModule; found
             automatically when None.
-        monitor: the guard: a validation metric (e.g. ``"val_acc"``); once it is worse than
-            its best so far by more than ``tolerance``, no more blocks freeze in this run.
-            None: no guard.
+        monitor: the guard: a validation metric (e.g. ``"val_acc"``), judged at the end of each
+            training epoch in which a validation ran (its last one); once it is worse than its
+            best so far by more than ``tolerance``, no more blocks freeze in this run. None: no guard.
         mode: ``"max"`` when a higher ``monitor`` is better, ``"min"`` when lower is.
         tolerance: how far below (``"max"``) or above (``"min"``) its best the metric may go.
 
@@ -132,6 +134,8 @@ class FreezeCallback(Callback):
         self._observed: float | None = None  # the guard's metric at the last validation since the epoch's end
         self._epochs_ended: int | None = None  # the last epoch whose end this fit saw (None: an older checkpoint's)
         self._state_loaded = False  # this fit resumed this callback's state from a checkpoint
+        self._fitted: weakref.ref | None = None  # the LightningModule the last fit trained
+        self._warned_unguarded = False  # that a decision of this fit came before any guarded validation
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -154,6 +158,7 @@ class FreezeCallback(Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._state_loaded = False  # until a checkpoint's state is loaded
+        self._warned_unguarded = False
         self._frozen_params = []
         strategy = self._strategy = trainer.strategy
         if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
@@ -214,10 +219,23 @@ class FreezeCallback(Callback):
         if self._state_loaded:
             self._decide_skipped_epoch(trainer)
         else:  # a new fit, or one resumed from a checkpoint written without this callback: nothing was skipped
+            if self._fitted is not None and self._fitted() is not pl_module:
+                self._forget_other_model(trainer)
             self._epochs_ended = trainer.current_epoch - 1
+        self._fitted = weakref.ref(pl_module)
         # Re-applies a frozen prefix restored from a checkpoint (ckpt_path=...).
         if self.frozen_blocks:
             self._apply(trainer)
+
+    def _forget_other_model(self, trainer: pl.Trainer) -> None:
+        """This callback's last fit trained another model: this one starts with nothing frozen and no decision."""
+        if self.frozen_blocks and trainer.is_global_zero:
+            log.info("pipetx: FreezeCallback fits another model than in its last fit: it starts with no block frozen")
+        self.frozen_blocks, self.decisions, self.last_decision = 0, 0, None
+        self._norms.reset()
+        self._observed = None
+        if self.guard is not None:
+            self.guard = FreezeGuard(self.guard.monitor, self.guard.mode, self.guard.tolerance)
 
     def _decide_skipped_epoch(self, trainer: pl.Trainer) -> None:
         """Resumed from a checkpoint of an epoch's last batch (``ModelCheckpoint(every_n_train_steps=...)``),
@@ -323,12 +341,21 @@ class FreezeCallback(Callback):
             for name, value in values.items():
                 # The values agree on every rank; sync_dist only keeps Lightning from warning.
                 pl_module.log(f"pipetx/{name}", value, on_step=False, on_epoch=True, sync_dist=True)
-        self._judge_observed(trainer)
+        complete = ran_every_batch(trainer)
+        if complete:  # a cut-short epoch is judged, as it is decided, when a resumed run completes it
+            self._judge_observed(trainer)
         self._epochs_ended = trainer.current_epoch
         stopped = self.guard is not None and self.guard.stopped
-        decides = self._decides_after(trainer.current_epoch) and not stopped and ran_every_batch(trainer)
+        decides = self._decides_after(trainer.current_epoch) and not stopped and complete
         if not decides:
             return
+        if self.guard is not None and self.guard.best is None and not self._warned_unguarded:
+            self._warned_unguarded = True
+            rank_zero_warn(
+                f"FreezeCallback(monitor={self.guard.monitor!r}): no validation has logged it before the decision "
+                f"after epoch {trainer.current_epoch}, which is therefore not guarded; the guard starts with the first "
+                f"validation that logs it (a fit without validation batches is never guarded)."
+            )
         with keyboard_interrupts_held():  # a Ctrl-C during a transition: the ranks stop after it, in one layout
             if self._decide(trainer, trainer.current_epoch):
                 self._apply(trainer)

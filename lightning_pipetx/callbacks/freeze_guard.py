@@ -20,8 +20,8 @@ def check_guard_arguments(mode: Any, tolerance: Any) -> None:
 
 
 class FreezeGuard:
-    """Watches ``monitor`` after every validation; once it is worse than its best so far by more than
-    ``tolerance``, :attr:`stopped` turns True for the rest of the run.
+    """Judges ``monitor`` once an epoch (the callback gives it the epoch's last validation); once it is
+    worse than its best so far by more than ``tolerance``, :attr:`stopped` turns True for the rest of the run.
 
     Args:
         monitor: a metric the LightningModule logs (e.g. ``"val_acc"``).
