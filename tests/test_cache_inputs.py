@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 from lightning_pipetx.autocache.random_streams import generators_kept
 from lightning_pipetx.autocache.states import RowLayout
 
@@ -407,3 +408,61 @@ def test_the_generators_a_dataset_holds_read_as_before_after_the_fill():
     with generators_kept(held):
         held.draw(), held.entropy.random()
     assert held.draw() == expected
+
+
+class _KeyedByIds(torch.utils.data.Dataset):
+    """A map-style dataset keyed by ids, not positions (torch allows any key its sampler yields)."""
+
+    def __init__(self, data, ids):
+        self.data, self.ids = data, list(ids)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, key):
+        return self.data[self.ids.index(key)]
+
+
+def _by_ids(ids, size, seed):
+    return DataLoader(_KeyedByIds(tm.RandomTokenDataset(size=size, seed=seed), ids), batch_size=8, sampler=ids)
+
+
+@pytest.mark.parametrize("ids", [range(1000, 1032), [f"id{i}" for i in range(32)]], ids=["numbers", "strings"])
+def test_training_samples_keyed_by_ids_turn_the_cache_off_or_are_refused(tmp_path, caplog, ids):
+    def run(cache):
+        module = tm.TinyBertClassifier(seed=0, dropout=0.0)
+        tm.cached_trainer(tmp_path, cache).fit(module, _by_ids(list(ids), 32, 1))
+        return module.state_dict()
+
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        cached = run("auto")
+    # Lightning deals the sampler's keys in its own shuffled order: the first batch's first is the 13th.
+    assert f"the training loader's sampler yields {list(ids)[12]!r}, which is not a position 0-31" in caplog.text
+    _same(cached, run(False))
+    with pytest.raises(ValueError, match="cache=True.*not a position 0-31.*Index its dataset by position"):
+        run(True)
+
+
+def test_validation_samples_keyed_by_ids_turn_the_validation_cache_off(tmp_path, caplog):
+    def run(cache):
+        module, rates = tm.TinyBertClassifier(seed=0, dropout=0.0), tm.HitRates()
+        train = DataLoader(tm.RandomTokenDataset(size=32, seed=1), batch_size=8)
+        tm.cached_trainer(tmp_path, cache, [rates]).fit(module, train, _by_ids(list(range(500, 516)), 16, 2))
+        return module.state_dict(), rates
+
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        (cached, rates), (plain, _) = run("auto"), run(False)
+    assert "the validation loader's sampler yields 500, which is not a position 0-15" in caplog.text
+    assert rates.rates[-1] == 1.0  # training keeps its cache
+    _same(cached, plain)
+
+
+def test_a_cache_dir_that_cannot_be_made_leaves_the_states_in_ram(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    rates = tm.HitRates()
+    strategy = ElasticPipelineStrategy(cache="auto", profile_steps=0, cache_dir=str(tmp_path / "file" / "cache"))
+    trainer = tm.make_trainer([FreezeCallback(alpha=1 / 2, signal="schedule"), rates], max_epochs=4, strategy=strategy)
+    trainer.fit(
+        tm.TinyBertClassifier(seed=0, dropout=0.0), DataLoader(tm.RandomTokenDataset(size=32, seed=1), batch_size=8)
+    )
+    assert rates.rates[-1] == 1.0

@@ -68,8 +68,6 @@ class AutoCache:
         self.device_budget = device_budget
         self.share_host = share_host  # other first-stage ranks of the node read the host tier too
         self.budget_sharers: list[AutoCache] = []  # other caches of this process drawing on the same budgets
-        for path in {directory, spill_directory}:
-            path.mkdir(parents=True, exist_ok=True)
         self.guard = InputGuard(num_samples, device)  # the loaded batches
         self.prefix_guard = InputGuard(num_samples, device, tolerance=1e-4)  # what enters the frozen blocks
         self.force = False  # cache=True: a changed input only warns
@@ -295,11 +293,11 @@ class AutoCache:
                 f"the cache, or pass cache=False."
             )
             return
-        except OSError as error:  # neither the RAM folder nor the disk has room for the depth
+        except OSError as error:  # neither the RAM folder nor the disk has room for the depth (or may be written)
             self.disable(
                 f"no room for the states of depth {depth} ({nbytes_of(self.num_samples, shape, hidden.dtype) / 2**20:.1f}"
                 f" MiB) in {self.spill_directory.parent} ({error.strerror or error}). Pass cache_dir= a folder with "
-                f"room, or cache=False"
+                f"room that this process may write, or cache=False"
             )
             return
         if entry.shape != shape:

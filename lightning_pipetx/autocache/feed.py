@@ -8,6 +8,7 @@ next one (which the cache prefetches).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +53,19 @@ def _has_len(dataset: Any) -> bool:
     except TypeError:
         return False
     return True
+
+
+def _not_a_position(kind: str, keys: list[Any], samples: int) -> str | None:
+    """Why a ``kind`` batch's dataset ``keys`` cannot name cached states (None: each is a position
+    ``0 <= key < samples``, as the cache keeps one state per position)."""
+    for key in keys:
+        if not (isinstance(key, numbers.Integral) and 0 <= key < samples):
+            return (
+                f"the {kind} loader's sampler yields {key!r}, which is not a position 0-{samples - 1} of its dataset "
+                f"of {samples} samples (a dataset keyed by ids, or one that grew since the cache opened): the cache "
+                f"keeps one state per position"
+            )
+    return None
 
 
 def _as_tensors(current: list[int] | None, after: list[int] | None) -> Keys:
@@ -129,14 +143,30 @@ class CacheFeed:
     def training_keys(self) -> Keys:
         """The dataset indices of this training batch and of the next one (None: not recorded)."""
         self._built.clear()
-        return _as_tensors(*self._training.pop()) if self._training is not None else (None, None)
+        if self._training is None:
+            return None, None
+        current, after = self._training.pop()
+        if self._refused_keys(current or []) or self._refused_keys(after or []):
+            return None, None
+        return _as_tensors(current, after)
+
+    def _refused_keys(self, keys: list[Any]) -> bool:
+        """Refuse the training cache where ``keys`` are not positions of the cached samples."""
+        cache = self.control.cache
+        reason = None if cache is None else _not_a_position("training", keys, cache.num_samples)
+        if reason is not None:
+            self._training = None
+            self.control.refuse(
+                reason, ValueError, "Index its dataset by position (0 to len - 1), or pass cache=False."
+            )
+        return reason is not None
 
     def dropped_samples(self) -> tuple[torch.Tensor, Callable[[], Any]] | None:
         """After the epoch's last training batch: the dataset indices of the samples ``drop_last``
         left out of the epoch, and a function that loads them as one batch (the training
         loader's ``collate_fn``); None when there are none."""
         dropped = self._training.take_dropped() if self._training is not None else []
-        if not dropped:
+        if not dropped or self._refused_keys(dropped):
             return None
         dataset, collate = self._training_dataset, self._collate
 
@@ -162,6 +192,12 @@ class CacheFeed:
         """For a validation step: the cache serving it (None: not served), and the dataset indices
         of its batch and of the next one."""
         current, after = self._validation.pop(step_args)
+        eval_cache = self.control.eval_cache
+        if current is not None and eval_cache is not None:
+            reason = _not_a_position("validation", current + (after or []), eval_cache.num_samples)
+            if reason is not None:
+                self.control.refuse_validation(reason)
+                return None, None, None
         cache = self.control.serving_eval() if current is not None else None
         return (cache, *_as_tensors(current, after))
 

@@ -52,7 +52,9 @@ def shared_tensor(path: Path, shape: tuple[int, ...], dtype: torch.dtype, create
 
 
 def free_bytes(folder: Path) -> int:
-    """Bytes the file system of ``folder`` still has for an unprivileged writer."""
+    """Bytes the file system of ``folder`` (or of its nearest existing parent) still has for an unprivileged writer."""
+    while not folder.exists() and folder.parent != folder:
+        folder = folder.parent
     stats = os.statvfs(folder)
     return stats.f_bavail * stats.f_frsize
 
@@ -159,6 +161,8 @@ class FileTier(Tier):
         # the states, which of them are valid, and what the file holds (for ranks that open it later)
         self.paths = (folder / f"depth{depth}", folder / f"depth{depth}.valid", folder / f"depth{depth}.json")
         adopt = tuple_len is None
+        if not adopt:  # made when a depth first goes there: a folder never used need not be writable
+            folder.mkdir(parents=True, exist_ok=True)
         owned_elsewhere = adopt or self._claim((tuple(shape), dtype, tuple_len))
         try:
             self.data = shared_tensor(self.paths[0], (num_samples, *shape), dtype, create=not adopt)
