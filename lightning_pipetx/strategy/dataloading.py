@@ -8,9 +8,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+from lightning.fabric.utilities import data as fabric_data
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+from lightning.pytorch.utilities import data as lightning_data
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from lightning_pipetx.strategy.shard_sampler import StableShardSampler
@@ -161,7 +161,7 @@ def like(
     with its arguments (workers, collation, pinning, a subclass's own), built again as Lightning
     builds one to inject its distributed sampler."""
     try:
-        args, kwargs = _get_dataloader_init_args_and_kwargs(loader, sampler or loader.sampler)
+        args, kwargs = lightning_data._get_dataloader_init_args_and_kwargs(loader, sampler or loader.sampler)
     except (TypeError, MisconfigurationException) as error:  # a batch sampler Lightning cannot rebuild
         if type(loader) is not DataLoader:
             raise ValueError(
@@ -176,7 +176,7 @@ def like(
         args, kwargs = _with_argument(loader, args, kwargs, "batch_sampler", batch_sampler)
     elif batch_size is not None:
         args, kwargs = _with_argument(loader, args, kwargs, "batch_size", batch_size)
-    return _reinstantiate_wrapped_cls(loader, *args, **kwargs)
+    return fabric_data._reinstantiate_wrapped_cls(loader, *args, **kwargs)
 
 
 def _with_argument(loader: DataLoader, args: tuple, kwargs: dict[str, Any], name: str, value: Any) -> tuple:

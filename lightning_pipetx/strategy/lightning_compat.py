@@ -15,8 +15,10 @@ import lightning
 import lightning.pytorch as pl
 import torch
 import torchmetrics
+from lightning.fabric.utilities import data as fabric_data
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import CombinedLoader, GradClipAlgorithmType
+from lightning.pytorch.utilities import data as lightning_data
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 from lightning_pipetx.strategy.loss_scaling import unscales_in_own_step
@@ -116,6 +118,14 @@ INTERNALS = (
         "DataLoader.batch_sampler (replaced on a built DataLoader)",
         "AutoCache records the dataset indices of every training batch",
         _loader_takes_a_new_batch_sampler,
+    ),
+    Internal(
+        "lightning.pytorch.utilities.data._get_dataloader_init_args_and_kwargs and fabric's _reinstantiate_wrapped_cls",
+        "a training DataLoader is built again, of the user's class, for another number of replicas",
+        lambda trainer: (
+            callable(getattr(lightning_data, "_get_dataloader_init_args_and_kwargs", None))
+            and callable(getattr(fabric_data, "_reinstantiate_wrapped_cls", None))
+        ),
     ),
     Internal(
         "LightningModule._on_before_batch_transfer",
