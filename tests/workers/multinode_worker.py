@@ -2,7 +2,7 @@
 
 Usage (on each node): torchrun --nnodes=2 --node_rank=N ... multinode_worker.py OUT_DIR SAMPLER
 Writes OUT_DIR/node<N>_rank<R>.json: ranks, the layout and cache statistics of every epoch,
-and the cache folders present while training.
+and the run's cache folders holding states while training.
 """
 
 import json
@@ -34,9 +34,14 @@ class Recorder(Callback):
             {
                 "hit_rate": metrics.get("pipetx/cache_hit_rate"),
                 "metrics": metrics,
-                "folders": sorted(p.name for p in self.cache_root.glob("pipetx-*")),
+                "folders": self._cache_folders(trainer.strategy._run_token),
             }
         )
+
+    def _cache_folders(self, run_token):
+        """The run's cache folders of each node that hold states: in RAM (``/dev/shm``), or under ``cache_dir``."""
+        roots = (self.cache_root, Path("/dev/shm"))
+        return sorted({p.name for root in roots for p in root.glob(f"pipetx-{run_token}-node*") if any(p.iterdir())})
 
 
 def main():
