@@ -32,6 +32,17 @@ def test_validation_code_after_the_model_call_runs_on_every_stage(everywhere):
 
 def test_a_metric_updated_on_every_stage_counts_each_replica_once(everywhere):
     assert [r["metrics"]["val_samples"] for r in everywhere] == [14.0] * 4
+    # Metrics outside the module's submodules too: one it keeps in a dict, and a callback's.
+    assert [r["seen"]["kept_val_samples"] for r in everywhere] == [[14.0, 14.0]] * 4
+    assert [r["seen"]["callback_val_samples"] for r in everywhere] == [[14.0, 14.0]] * 4
+
+
+def test_a_backward_in_an_evaluation_step_is_refused_under_a_pipeline(tmp_path):
+    run_workers("outputs_worker.py", 2, str(tmp_path), "grad_in_eval")
+    for report in _reports(tmp_path, "grad_in_eval", 2):
+        assert (
+            "calls the model with gradients enabled" in report["refused"] and "pipeline_length=1" in report["refused"]
+        )
 
 
 def test_all_gather_in_a_step_gives_one_entry_per_replica(everywhere):

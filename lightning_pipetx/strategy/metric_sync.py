@@ -13,7 +13,7 @@ fit, or made during a validation) sync over the ranks of their stage while evalu
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 
 import torch
 import torch.distributed as dist
@@ -36,11 +36,11 @@ class MetricGroups:
         self._changed: list[Metric] = []
 
     def enter(
-        self, module: nn.Module, group: dist.ProcessGroup, keep: Callable[[Metric], bool] = lambda m: False
+        self, metrics: Iterable[Metric], group: dist.ProcessGroup, keep: Callable[[Metric], bool] = lambda m: False
     ) -> None:
-        """Point the metrics of ``module`` without a group of their own at ``group``, except those ``keep`` accepts."""
-        for metric in module.modules():
-            if isinstance(metric, Metric) and metric.process_group is None and not keep(metric):
+        """Point ``metrics`` without a group of their own at ``group``, except those ``keep`` accepts."""
+        for metric in metrics:
+            if metric.process_group is None and not keep(metric):
                 metric.process_group = group
                 self._changed.append(metric)
 
@@ -48,6 +48,31 @@ class MetricGroups:
         for metric in self._changed:
             metric.process_group = None
         self._changed = []
+
+
+_MODULE_STATE = ("_modules", "_parameters", "_buffers")
+
+
+def module_metrics(module: nn.Module) -> list[Metric]:
+    """The torchmetrics metrics among ``module``'s submodules."""
+    return [metric for metric in module.modules() if isinstance(metric, Metric)]
+
+
+def reachable_metrics(module: nn.Module, owners: Iterable[object] = ()) -> list[Metric]:
+    """The metrics of ``module`` (its submodules, and those it keeps in a dict, list or tuple) and
+    those ``owners`` (the trainer's callbacks) keep as attributes or in such containers."""
+    found = {id(metric): metric for metric in module_metrics(module)}
+    for owner in (module, *owners):
+        for name, value in vars(owner).items():
+            if name in _MODULE_STATE:  # the submodules are found above
+                continue
+            items = (
+                value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+            )
+            for item in items:
+                if isinstance(item, nn.Module) and item is not module:
+                    found.update((id(metric), metric) for metric in module_metrics(item))
+    return list(found.values())
 
 
 def gather_from_ranks(tensor: torch.Tensor, sources: list[int]) -> list[torch.Tensor]:
@@ -183,7 +208,7 @@ class PipelineMetrics:
             yield
             return
         if topology.is_last_stage:
-            self._training.enter(module, topology.stage_group)
+            self._training.enter(module_metrics(module), topology.stage_group)
         try:
             yield
         finally:
@@ -200,9 +225,11 @@ class PipelineMetrics:
         self.evaluation_step_done(module)
 
     def evaluation_step_done(self, module: nn.Module) -> None:
-        """A metric the step made syncs over its stage too."""
+        """A metric the step made syncs over its stage too, and so do metrics the module keeps in a
+        container and the callbacks' (each stage's copy sees the same outputs)."""
         if self._evaluation_group is not None:
-            self._evaluation.enter(module, self._evaluation_group, keep=self._epoch_sync.syncs)
+            metrics = reachable_metrics(module, module.trainer.callbacks)
+            self._evaluation.enter(metrics, self._evaluation_group, keep=self._epoch_sync.syncs)
 
     def evaluation_ends(self) -> None:
         self._evaluating, self._evaluation_group = False, None

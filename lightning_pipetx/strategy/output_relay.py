@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_pipetx.strategy.model_checks import UnsupportedRecipeError
 from lightning_pipetx.strategy.stage_hooks import StageExit, StageHooks
 from lightning_pipetx.strategy.stage_runner import StageRunner
 from lightning_pipetx.strategy.topology import Topology
@@ -83,6 +84,14 @@ class OutputRelay:
     def _forward(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
         if not self._active or self._depth > 0:
             return original(*args, **kwargs)
+        if torch.is_grad_enabled() and self.topology.pipeline_length > 1:  # on every stage, before any exchange
+            raise UnsupportedRecipeError(
+                f"ElasticPipelineStrategy: an evaluation step calls the model with gradients enabled (under "
+                f"torch.enable_grad(): input saliency, test-time adaptation), which a pipeline of "
+                f"{self.topology.pipeline_length} stages cannot run: no backward reaches the blocks of the stages "
+                f"before the last, nor the step's inputs. Evaluate with a Trainer whose strategy has "
+                f"pipeline_length=1, or call the model without gradients."
+            )
         self._depth += 1
         try:
             output = self._run_stage(original, args, kwargs)

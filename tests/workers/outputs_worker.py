@@ -2,9 +2,11 @@
 
 Usage: torchrun --nproc_per_node=N outputs_worker.py OUT_DIR MODE, where MODE is
   everywhere     (4 processes, 2 stages x 2 replicas) lists of validation outputs, all_gather in
-                 steps, a metric counting samples, step outputs of one number, a log name that
+                 steps, metrics counting samples (the module's, one it keeps in a dict, a callback's),
+                 step outputs of one number, a log name that
                  appears late, per-token predictions, a replica without predict batches
   train_list     (2 processes) training_step collects its losses in a list, read at epoch end
+  grad_in_eval   (2 processes, 2 stages) predict_step runs a backward (input saliency)
   fail_all EXC   (2 processes) every rank raises EXC (ValueError | KeyboardInterrupt) at epoch 0's end
   fail_one       (2 processes) the last stage raises in its third training step
   ctrl_c LENGTH  (2 processes, pipeline_length LENGTH) a Ctrl-C reaches both ranks while rank 0
@@ -55,6 +57,7 @@ class Recipes(pl.LightningModule):
         self.model = tiny_bert(seed=0, dropout=0.0)
         self.head = torch.nn.Linear(NUM_LABELS, 1)  # outside the model call: trained on the last stages only
         self.val_samples = torchmetrics.SumMetric()
+        self.kept = {"val_samples": torchmetrics.SumMetric()}  # a metric outside the submodules
         self.validation_step_outputs = []
         self.seen = defaultdict(list)
 
@@ -81,6 +84,7 @@ class Recipes(pl.LightningModule):
         out = self.model(**batch)
         self.validation_step_outputs.append(out.logits)
         self.val_samples.update(torch.tensor(float(len(batch["labels"]))))
+        self.kept["val_samples"].update(torch.tensor(float(len(batch["labels"]))))
         self.log("val_samples", self.val_samples)
         self.log("val_loss", out.loss, sync_dist=True)
         self.log("val_head", self.head(out.logits).mean(), sync_dist=True)
@@ -91,6 +95,8 @@ class Recipes(pl.LightningModule):
         self.seen["val_rows"].append(logits.shape[0])
         self.log("val_logit_mean", logits.mean(), sync_dist=True)
         self.validation_step_outputs.clear()
+        self.seen["kept_val_samples"].append(float(self.kept["val_samples"].compute()))
+        self.kept["val_samples"].reset()
 
     def predict_step(self, batch, batch_idx):
         return self.model.bert(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
@@ -214,6 +220,31 @@ class RaiseAtEpochEnd(Callback):
         raise self.exception("stopped on every rank")
 
 
+class CountsValidationSamples(Callback):
+    """A callback's own metric, updated from every validation batch (on every stage, under a pipeline)."""
+
+    def __init__(self):
+        self.samples = torchmetrics.SumMetric()
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.samples.update(torch.tensor(float(len(batch["labels"]))))
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        pl_module.seen["callback_val_samples"].append(float(self.samples.compute()))
+        self.samples.reset()
+
+
+class Saliency(Recipes):
+    """Input saliency in predict_step: a backward inside an evaluation step."""
+
+    def predict_step(self, batch, batch_idx):
+        with torch.enable_grad():
+            embeddings = self.model.bert.embeddings(input_ids=batch["input_ids"]).detach().requires_grad_()
+            logits = self.model(inputs_embeds=embeddings, attention_mask=batch["attention_mask"]).logits
+            logits[:, 0].sum().backward()
+        return embeddings.grad
+
+
 class LogShareCount(Callback):
     def on_train_end(self, trainer, pl_module):
         pl_module.seen["structure_messages"].append(trainer.strategy.engine.log_share.structure_messages)
@@ -259,7 +290,7 @@ def checkpointed_on_exception(out_dir):
 
 def everywhere(report):
     model = Recipes()
-    trainer = trainer_for(4, max_epochs=2, callbacks=[LogShareCount()])
+    trainer = trainer_for(4, max_epochs=2, callbacks=[LogShareCount(), CountsValidationSamples()])
     # 30 samples, 2 replicas, batch 4: 4 steps per epoch, the last of 3 samples (micro-batches 2 + 1).
     trainer.fit(model, loader(30, 4, 1), loader(14, 4, 2))
     report["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -327,6 +358,11 @@ def main():
     report = {}
     if mode == "everywhere":
         everywhere(report)
+    elif mode == "grad_in_eval":
+        try:
+            trainer_for(2).predict(Saliency(), loader(8, 4, 3))
+        except ValueError as error:
+            report["refused"] = str(error)
     elif mode == "train_list":
         trainer_for(2, timeout=30, max_epochs=1).fit(CollectedLosses(), loader(16, 4, 1))
     elif mode == "fail_all":
