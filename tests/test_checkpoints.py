@@ -180,3 +180,18 @@ def test_a_resume_that_fails_before_set_up_leaves_its_checkpoint_s_profile_behin
         trainer.fit(FailsToLoad(seed=0), loader, ckpt_path=tmp_path / "profiled.ckpt")
     trainer.fit(TinySequentialRegressor(seed=0), loader)
     assert seen.profiled is False  # it measures its own
+
+
+def test_a_second_name_of_the_blocks_holds_their_weights_in_a_checkpoint_written_during_fit(tmp_path):
+    # Rank 0 runs the first stage only: the other stage's blocks must reach the file under both names.
+    from alias_worker import SecondName
+
+    run_workers("alias_worker.py", 2, str(tmp_path))
+    state = torch.load(tmp_path / "step=2.ckpt", weights_only=False)["state_dict"]
+    assert any(key.startswith("backbone.") for key in state)
+    for key, value in state.items():
+        assert torch.isfinite(value).all(), key
+        if key.startswith("backbone."):
+            torch.testing.assert_close(value, state["model.blocks." + key.removeprefix("backbone.")], msg=key)
+    loaded = SecondName.load_from_checkpoint(tmp_path / "step=2.ckpt")
+    assert all(torch.isfinite(p).all() for p in loaded.parameters())

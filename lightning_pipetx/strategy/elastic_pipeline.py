@@ -784,14 +784,13 @@ class ElasticPipelineStrategy(DDPStrategy):
             self._take_profile(engine)
         engine.share_updated_params(self.optimizers)
         engine.share_pre_buffers()
-        state = self.lightning_module.state_dict()
         prefix = self._split.path + "."
         gathered = engine.block_state(prefix)
-        if not self.is_global_zero:  # every key, as under DDP, for on_save_checkpoint hooks
-            return state
-        state.update(gathered)
-        self._store.lend(state, prefix)  # until save_checkpoint: on_save_checkpoint reads the whole model
-        return state
+        if self.is_global_zero:
+            # Until save_checkpoint: every name of a block's tensor (a second name the module gives
+            # the blocks, too) and on_save_checkpoint's hooks read the whole model.
+            self._store.lend(gathered, prefix)
+        return self.lightning_module.state_dict()  # on the other ranks every key, as under DDP, for the hooks
 
     def _stop_before_checkpoint(self) -> None:
         """A checkpoint as the run stops on an exception (Lightning's ``OnExceptionCheckpoint`` saves
