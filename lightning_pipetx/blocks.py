@@ -210,6 +210,18 @@ def _resolve(root: nn.Module, path: str) -> nn.Module:
     return module
 
 
+def _registered_path(root: nn.Module, blocks: nn.Module, path: str) -> str:
+    """The name ``root`` registers ``blocks`` under first (``path`` may pass through a property,
+    as Hugging Face's ``base_model``, or a second name)."""
+    registered = next((name for name, module in root.named_modules() if module is blocks), None)
+    if registered is None:
+        raise BlockListNotFoundError(
+            f"blocks={path!r} is not a submodule of {type(root).__name__} (reached through an attribute that no "
+            f"module registers). Pass the path of its registered name, as named_modules() lists it."
+        )
+    return registered
+
+
 def find_blocks(root: nn.Module, path: str | None = None) -> BlockSplit:
     """Split ``root`` into ``pre`` + ``blocks`` + ``post``.
 
@@ -230,6 +242,7 @@ def find_blocks(root: nn.Module, path: str | None = None) -> BlockSplit:
                 f"ElasticPipelineStrategy(blocks='model.encoder.layers')."
             )
     blocks = _resolve(root, path)
+    path = _registered_path(root, blocks, path)
 
     pre: list[tuple[str, nn.Module]] = []
     post: list[tuple[str, nn.Module]] = []

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -253,8 +254,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--cached", action="store_true", help="cost the frozen prefix as cached by AutoCache (free)")
     add("--json", action="store_true", help="print machine-readable JSON")
     args = parser.parse_args(argv)
-    if args.memory_gb is not None and args.memory_gb <= 0:
-        parser.error(f"--memory-gb must be > 0, got {args.memory_gb}")
+    if args.memory_gb is not None and not 0 < args.memory_gb < math.inf:
+        parser.error(f"--memory-gb must be a number > 0, got {args.memory_gb}")
     if not 0.001 <= args.alpha <= 1:
         parser.error(f"--alpha must be in [0.001, 1], got {args.alpha}")
     if args.devices % args.num_nodes:

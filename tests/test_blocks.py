@@ -353,3 +353,13 @@ def test_a_frozen_block_list_in_the_prefix_is_not_named():
     assert block_lists_in_pre(split) == []
     root.teacher.requires_grad_(True)
     assert block_lists_in_pre(split) == ["teacher.bert.encoder.layer"]
+
+
+def test_a_path_through_a_property_finds_the_blocks_registered_name():
+    # Hugging Face's base_model is a property returning model.bert: the split is that of the registered path.
+    module = tm.TinyBertClassifier(seed=0)
+    through = find_blocks(module, "model.base_model.encoder.layer")
+    registered = find_blocks(module, "model.bert.encoder.layer")
+    assert through.path == "model.bert.encoder.layer"
+    assert [n for n, _ in through.pre] == [n for n, _ in registered.pre] == ["model.bert.embeddings"]
+    assert [n for n, _ in through.post] == [n for n, _ in registered.post]

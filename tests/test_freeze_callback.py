@@ -221,6 +221,8 @@ class GradNormProbe(Callback):
         (dict(min_active_blocks=0), "min_active_blocks"),
         (dict(min_active_blocks=2.0), "min_active_blocks"),
         (dict(signal="loss"), "signal"),
+        (dict(alpha="0.3"), "alpha='0.3'"),
+        (dict(blocks=3), "blocks=3"),
         (dict(signal="Schedule"), "signal"),
         # the guard's settings are checked without a monitor too
         (dict(mode="bogus"), "mode='bogus'"),

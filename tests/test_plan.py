@@ -117,6 +117,7 @@ def test_automatic_length_is_the_fastest_layout_that_fits(capsys):
     # None fits: the layout that needs the least memory.
     result = _run_json(capsys, "--model", "bert-large", "--devices", "8", "--memory-gb", "1")
     assert result["initial"]["layout"] == "8x1" and "none fits" in result["initial_choice"]["reason"]
+    assert "GiB, more than 0.50 GiB" in result["initial_choice"]["reason"]  # what the least needs, said as such
 
 
 def test_automatic_length_keeps_a_pipeline_inside_one_node(capsys):
@@ -173,6 +174,10 @@ def test_bad_arguments_give_clear_errors(capsys):
         main(["--model", "bert-base", "--devices", "8", "--pipeline-length", "3"])
     assert exit_info.value.code == 2
     assert "--pipeline-length 3 does not divide --devices 8" in capsys.readouterr().err
+    for memory in ("nan", "inf", "0"):
+        with pytest.raises(SystemExit):
+            main(["--model", "bert-base", "--devices", "8", "--memory-gb", memory])
+        assert f"--memory-gb must be a number > 0, got {float(memory)}" in capsys.readouterr().err
 
 
 def test_help(capsys):

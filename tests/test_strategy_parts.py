@@ -216,6 +216,11 @@ def test_schedules_run_each_microbatch_forward_then_backward(schedule, stages, m
         ({"memory_budget": 0}, "memory_budget=0"),
         ({"bucket_cap_mb": -1}, "bucket_cap_mb=-1"),
         ({"bucket_cap_mb": True}, "bucket_cap_mb=True"),
+        ({"bucket_cap_mb": float("nan")}, "bucket_cap_mb=nan"),
+        ({"bucket_cap_mb": float("inf")}, "bucket_cap_mb=inf"),
+        ({"blocks": 3}, "blocks=3\\): use the block list's dotted path"),
+        ({"elastic": "no"}, "elastic='no'\\): use True or False"),
+        ({"keep_global_batch": None}, "keep_global_batch=None\\): use True or False"),
         ({"sampler": "random"}, "sampler='random'"),
         ({"reuse_host_memory": "yes"}, "reuse_host_memory='yes'"),
         ({"cache_ram_bytes": "8GB"}, "cache_ram_bytes='8GB'"),
@@ -694,3 +699,10 @@ def test_a_model_masking_its_input_at_random_is_not_heard_of_when_given_the_nois
     model(pixel_values=torch.randn(2, 3, 16, 16), noise=torch.rand(2, 4))
     checks.remove()
     assert heard == []
+
+
+def test_numpy_integers_are_whole_numbers_for_the_strategy():
+    import numpy as np
+
+    strategy = ElasticPipelineStrategy(pipeline_length=np.int64(2), num_microbatches=np.int64(4))
+    assert (strategy.pipeline_length, strategy.num_microbatches) == (2, 4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 import time
 import weakref
 from typing import Any
@@ -102,8 +103,12 @@ class FreezeCallback(Callback):
         mode: str = "max",
         tolerance: float = 0.0,
     ) -> None:
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"FreezeCallback(alpha={alpha}): alpha must be in (0, 1], e.g. 1/3.")
+        if not isinstance(alpha, numbers.Real) or isinstance(alpha, bool) or not 0.0 < alpha <= 1.0:
+            raise ValueError(f"FreezeCallback(alpha={alpha!r}): alpha must be a number in (0, 1], e.g. 1/3.")
+        if blocks is not None and not isinstance(blocks, str):
+            raise ValueError(
+                f"FreezeCallback(blocks={blocks!r}): use the block list's dotted path (a string), or None."
+            )
         _check_whole("freeze_interval", freeze_interval, 1)
         _check_whole("warmup_epochs", warmup_epochs, 0)
         _check_whole("min_active_blocks", min_active_blocks, 1, "; at least one block must stay trainable")

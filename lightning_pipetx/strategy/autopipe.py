@@ -323,12 +323,19 @@ def explain_choice(chosen: Plan, candidates: Sequence[Candidate], budget_bytes: 
         f"{'' if c.fits else ' too big'}"
         for c in candidates
     )
-    why = "the fastest predicted whose" if any(c.fits for c in candidates) else "none fits; the smallest"
-    return (
-        f"layout {chosen.layout}: {why} largest stage's weights, gradients and optimizer state fit in "
+    budget = (
         f"{limit / 2**30:.2f} GiB ({1 - ACTIVATION_SHARE:.0%} of {budget_bytes / 2**30:.2f} GiB per device, the rest "
-        f"kept for activations). Candidates (GiB per device, throughput relative to the choice): {rows}"
+        f"kept for activations)"
     )
+    if any(c.fits for c in candidates):
+        why = f"the fastest predicted whose largest stage's weights, gradients and optimizer state fit in {budget}"
+    else:
+        need = min(c.peak_bytes for c in candidates)
+        why = (
+            f"none fits; the one needing least, whose largest stage's weights, gradients and optimizer state need "
+            f"{need / 2**30:.2f} GiB, more than {budget}"
+        )
+    return f"layout {chosen.layout}: {why}. Candidates (GiB per device, throughput relative to the choice): {rows}"
 
 
 class AutoPipe:

@@ -164,6 +164,9 @@ class ElasticPipelineStrategy(DDPStrategy):
             bucket_cap_mb,
             reuse_host_memory,
             split_backward,
+            blocks,
+            elastic,
+            keep_global_batch,
         )
         self._autocache = CacheControl(cache, cache_dir, cache_ram_bytes, cache_device_bytes)
         super().__init__(**kwargs)

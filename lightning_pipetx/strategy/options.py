@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -16,7 +17,7 @@ def _error(name: str, value: Any, accepted: str) -> ValueError:
 
 
 def _whole(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def byte_count(value: Any) -> int | None:
@@ -37,6 +38,9 @@ def check_arguments(
     bucket_cap_mb: Any,
     reuse_host_memory: Any,
     split_backward: Any,
+    blocks: Any = None,
+    elastic: Any = True,
+    keep_global_batch: Any = True,
 ) -> None:
     """Raise a ``ValueError`` for the first argument the strategy cannot run with."""
     for name, value in (("pipeline_length", pipeline_length), ("num_microbatches", num_microbatches)):
@@ -50,9 +54,18 @@ def check_arguments(
         raise _error("sampler", sampler, f"choose one of {SAMPLERS}")
     if memory_budget is not None and (byte_count(memory_budget) is None or memory_budget <= 0):
         raise _error("memory_budget", memory_budget, "use a number of bytes > 0")
-    if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or bucket_cap_mb <= 0:
+    if not isinstance(bucket_cap_mb, numbers.Real) or isinstance(bucket_cap_mb, bool):
+        raise _error("bucket_cap_mb", bucket_cap_mb, "use a size in MB > 0")
+    if not 0 < bucket_cap_mb < math.inf:
         raise _error("bucket_cap_mb", bucket_cap_mb, "use a size in MB > 0")
     if reuse_host_memory not in (True, False, "auto"):
         raise _error("reuse_host_memory", reuse_host_memory, "use True, False or 'auto'")
-    if not isinstance(split_backward, bool):
-        raise _error("split_backward", split_backward, "use True or False")
+    for name, value in (
+        ("split_backward", split_backward),
+        ("elastic", elastic),
+        ("keep_global_batch", keep_global_batch),
+    ):
+        if not isinstance(value, bool):
+            raise _error(name, value, "use True or False")
+    if blocks is not None and not isinstance(blocks, str):
+        raise _error("blocks", blocks, "use the block list's dotted path (a string), or None to find it")
