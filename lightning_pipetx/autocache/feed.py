@@ -146,7 +146,7 @@ class CacheFeed:
         if self._training is None:
             return None, None
         current, after = self._training.pop()
-        if self._refused_keys(current or []) or self._refused_keys(after or []):
+        if self._refused_keys((current or []) + (after or [])):
             return None, None
         return _as_tensors(current, after)
 

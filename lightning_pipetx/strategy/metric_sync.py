@@ -113,8 +113,8 @@ class LastStageSync:
 
     def install(self, module: nn.Module) -> None:
         self._gather = self._gather or _GatherFromSources(self.sources)
-        for metric in module.modules():
-            if isinstance(metric, Metric) and metric.dist_sync_fn is None:
+        for metric in module_metrics(module):
+            if metric.dist_sync_fn is None:
                 metric.dist_sync_fn = self._gather
                 self._installed.append(metric)
 
@@ -259,6 +259,5 @@ def forget_computed(module: nn.Module) -> None:
     syncing until its next update, and a training step updates the copies of the last stages only:
     the other stages' cached values would be stale, and their ``compute()`` would skip the sync that
     the last stages enter."""
-    for metric in module.modules():
-        if isinstance(metric, Metric):
-            metric._computed = None
+    for metric in module_metrics(module):
+        metric._computed = None

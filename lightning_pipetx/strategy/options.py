@@ -54,9 +54,11 @@ def check_arguments(
         raise _error("sampler", sampler, f"choose one of {SAMPLERS}")
     if memory_budget is not None and (byte_count(memory_budget) is None or memory_budget <= 0):
         raise _error("memory_budget", memory_budget, "use a number of bytes > 0")
-    if not isinstance(bucket_cap_mb, numbers.Real) or isinstance(bucket_cap_mb, bool):
-        raise _error("bucket_cap_mb", bucket_cap_mb, "use a size in MB > 0")
-    if not 0 < bucket_cap_mb < math.inf:
+    if (
+        isinstance(bucket_cap_mb, bool)
+        or not isinstance(bucket_cap_mb, numbers.Real)
+        or not 0 < bucket_cap_mb < math.inf
+    ):
         raise _error("bucket_cap_mb", bucket_cap_mb, "use a size in MB > 0")
     if reuse_host_memory not in (True, False, "auto"):
         raise _error("reuse_host_memory", reuse_host_memory, "use True, False or 'auto'")
