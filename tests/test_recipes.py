@@ -21,6 +21,8 @@ from recipes_cases import (
     fp16_reference,
     hidden_states_module,
     hook_counting_module,
+    mixed_precision_module,
+    mixed_precision_reference,
     scheduled_reference,
     step_synced_metric_reference,
 )
@@ -90,7 +92,10 @@ def test_fp16_loss_scaling_agrees_across_stages(mode, tmp_path):
     # pipeline, AdamW; fp16_fused_replicas: a fused AdamW (it unscales inside its own step) on 2
     # replicas, whose reduced gradients overflow together.
     run_workers("recipes_worker.py", 2, str(tmp_path), mode)
-    expected = fp16_reference("adamw" if mode == "fp16" else "adamw_fused")
+    # the pipeline's 2 micro-batches round as one process accumulating them does; the replicas
+    # (interleaved halves, as DDP's) as one process's whole batch, to fp16's precision
+    pipelined = mode == "fp16"
+    expected = fp16_reference("adamw" if pipelined else "adamw_fused", microbatches=2 if pipelined else 1)
     reports = _reports(tmp_path, mode)
     assert [r["scale"] for r in reports] == [expected["scale"]] * 2
     # FreezeCallback leaves out the overflowed step on every rank, as one process does, though
@@ -100,8 +105,20 @@ def test_fp16_loss_scaling_agrees_across_stages(mode, tmp_path):
         assert report["freeze"]["norm_steps"] == STEPS - 1
         torch.testing.assert_close(report["freeze"]["norm_sums"], expected["freeze"]["norm_sums"], rtol=1e-2, atol=0)
     state = torch.load(tmp_path / f"{mode}.pt", weights_only=True)["state"]
+    tolerance = {"atol": 1e-6, "rtol": 1e-5} if pipelined else {"atol": 2e-3, "rtol": 1e-2}
     for key, value in expected["state"].items():
-        torch.testing.assert_close(state[key], value, atol=2e-3, rtol=1e-2, msg=key)
+        torch.testing.assert_close(state[key], value, **tolerance, msg=key)
+
+
+def test_bf16_mixed_pipeline_trains_as_one_process_accumulating_its_microbatches(tmp_path):
+    run_workers("recipes_worker.py", 2, str(tmp_path), "bf16")
+    expected = mixed_precision_reference(mixed_precision_module(), {"precision": "bf16-mixed"}, microbatches=2)
+    for report in _reports(tmp_path, "bf16"):
+        assert report["freeze"]["norm_steps"] == STEPS
+        torch.testing.assert_close(report["freeze"]["norm_sums"], expected["freeze"]["norm_sums"], rtol=1e-5, atol=0)
+    state = torch.load(tmp_path / "bf16.pt", weights_only=True)["state"]
+    for key, value in expected["state"].items():
+        torch.testing.assert_close(state[key], value, atol=1e-6, rtol=1e-5, msg=key)
 
 
 def test_fp16_with_a_fused_optimizer_under_a_pipeline_is_refused(tmp_path):

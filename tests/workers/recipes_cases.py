@@ -340,6 +340,11 @@ def fp16_module(optimizer: str = "adamw") -> pl.LightningModule:
     return module
 
 
+def mixed_precision_module() -> pl.LightningModule:
+    """A tiny BERT with AdamW, as trained under bf16-mixed."""
+    return build_case_module({"model": "bert", "lr": 1e-3, "optimizer": "adamw"})
+
+
 def fp16_plugin() -> MixedPrecision:
     return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12))
 
@@ -371,9 +376,16 @@ def train_loader(
     return DataLoader(dataset, batch_size=batch_size, shuffle=sampler is None, sampler=sampler, drop_last=drop_last)
 
 
-def fp16_reference(optimizer: str = "adamw") -> dict[str, torch.Tensor]:
-    """The fp16 run in one process, on the same global batches, with FreezeCallback's gradient norms."""
-    module = fp16_module(optimizer)
+def fp16_reference(optimizer: str = "adamw", microbatches: int = 1) -> dict[str, torch.Tensor]:
+    """The fp16 run in one process, on the same global batches, with FreezeCallback's gradient norms.
+
+    ``microbatches``: each global batch split as a pipeline splits it, its gradients accumulated."""
+    return mixed_precision_reference(fp16_module(optimizer), {"plugins": [fp16_plugin()]}, microbatches)
+
+
+def mixed_precision_reference(module: pl.LightningModule, precision: dict, microbatches: int) -> dict:
+    """``module`` trained in one process under ``precision`` (Trainer arguments) for STEPS global
+    batches, each split into ``microbatches`` whose gradients are accumulated."""
     freeze = FreezeCallback()
     dataset = TASKS["bert"].dataset(size=32, seed=1)
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
@@ -381,17 +393,18 @@ def fp16_reference(optimizer: str = "adamw") -> dict[str, torch.Tensor]:
         accelerator="cpu",
         devices=1,
         max_steps=STEPS,
-        plugins=[fp16_plugin()],
+        accumulate_grad_batches=microbatches,
         callbacks=[freeze],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        **precision,
     )
-    trainer.fit(module, train_loader(GLOBAL_BATCH, sampler))
-    scale = trainer.precision_plugin.scaler.get_scale()
-    return {"state": module.state_dict(), "scale": scale, "freeze": freeze.state_dict()}
+    trainer.fit(module, train_loader(GLOBAL_BATCH // microbatches, sampler))
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return {"state": module.state_dict(), "scale": scaler and scaler.get_scale(), "freeze": freeze.state_dict()}
 
 
 def deberta_conv_module() -> pl.LightningModule:

@@ -1,7 +1,7 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
 rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | averaged_model | clamping | hooks_profiled | fp16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped) [resume CKPT]
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | averaged_model | clamping | hooks_profiled | fp16 | bf16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped) [resume CKPT]
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do) and
 "own_sampler" turns Lightning's distributed sampler off: both give the two stages different
@@ -34,6 +34,7 @@ from recipes_cases import (
     hook_counting_module,
     intermediates_module,
     lbfgs_module,
+    mixed_precision_module,
     none_step_module,
     plateau_module,
     popping_module,
@@ -124,6 +125,7 @@ def main() -> None:
         "hooks": hook_counting_module,
         "hooks_profiled": hook_counting_module,
         "fp16": fp16_module,
+        "bf16": mixed_precision_module,
         "fp16_fused": lambda: fp16_module("adamw_fused"),
         "fp16_fused_replicas": lambda: fp16_module("adamw_fused"),
         "hidden_states": hidden_states_module,
@@ -156,7 +158,7 @@ def main() -> None:
     if mode == "layerdrop":  # as Wav2Vec2's and HuBERT's configs have by default
         module.model.config.layerdrop = 0.1
     summary = SummaryAtFitStart()
-    freeze = FreezeCallback() if mode.startswith("fp16") else None  # measures gradient norms per step
+    freeze = FreezeCallback() if mode.startswith(("fp16", "bf16")) else None  # measures gradient norms per step
     if mode.startswith("scheduled_uneven") or mode in ("summed_count", "epoch_metrics", "stage_norms"):  # 2x1 -> 1x2
         freeze = FreezeCallback(alpha=3 / 4, signal="schedule")
     if mode == "pruning_replicas":  # 2 and 3 of 4 blocks frozen after epochs 0 and 1, pruned after each epoch
@@ -195,6 +197,7 @@ def main() -> None:
         devices=2,
         strategy=ElasticPipelineStrategy(pipeline_length=length, num_microbatches=2, timeout=timeout),
         plugins=[fp16_plugin()] if mode.startswith("fp16") else None,
+        precision="bf16-mixed" if mode == "bf16" else None,
         use_distributed_sampler=mode != "own_sampler",
         max_steps=-1 if mode.startswith("scheduled") or mode in EPOCHS else STEPS,
         max_epochs=EPOCHS.get(mode),
@@ -243,7 +246,8 @@ def main() -> None:
         report["validated"] = getattr(module, "validated", None)
         report["sanity_checked"] = getattr(module, "sanity_checked", None)
     else:
-        report["scale"] = trainer.precision_plugin.scaler.get_scale()
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        report["scale"] = scaler and scaler.get_scale()
     if freeze is not None:
         report["freeze"] = freeze.state_dict()  # a collective: every rank calls it
     with open(os.path.join(out_dir, f"{mode}_rank{rank}.json"), "w") as f:
