@@ -35,6 +35,10 @@ def test_a_metric_updated_on_every_stage_counts_each_replica_once(everywhere):
     # Metrics outside the module's submodules too: one it keeps in a dict, and a callback's.
     assert [r["seen"]["kept_val_samples"] for r in everywhere] == [[14.0, 14.0]] * 4
     assert [r["seen"]["callback_val_samples"] for r in everywhere] == [[14.0, 14.0]] * 4
+    # In training: a callback's, updated from every batch on every stage, and one the module keeps in
+    # a dict, updated after the model call (the last stages) and synced over the replicas at each call.
+    assert [r["seen"]["callback_train_samples"] for r in everywhere] == [[30.0, 30.0]] * 4
+    assert [r["seen"]["kept_train_samples"] for r in everywhere] == [[30.0, 30.0]] * 4
 
 
 def test_a_backward_in_an_evaluation_step_is_refused_under_a_pipeline(tmp_path):

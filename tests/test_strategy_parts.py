@@ -502,7 +502,7 @@ def test_the_last_stage_sync_stays_with_the_run_and_leaves_metrics_as_they_were(
     module.acc, module.own = MulticlassAccuracy(3), MulticlassAccuracy(3, dist_sync_fn=gather_all_tensors)
     sync = LastStageSync(_no_sources)
     assert pickle.loads(pickle.dumps(sync)).sources is _no_sources  # spawn pickles the strategy
-    sync.install(module)
+    sync.install([module.acc, module.own])
     installed = module.acc.dist_sync_fn
     assert callable(installed) and module.own.dist_sync_fn is gather_all_tensors
     assert copy.deepcopy(module).acc.dist_sync_fn is installed  # a copy made during fit shares it, no strategy copy

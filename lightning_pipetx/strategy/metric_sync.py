@@ -1,8 +1,9 @@
-"""Where a module's torchmetrics metrics sync their states under a pipeline.
+"""Where the torchmetrics metrics of a module and of its callbacks sync their states under a pipeline.
 
 In a training step the code after the model call runs on the last stages only: a metric
 updated there holds the replica's samples on its last stage and its initial state on the
-other stages. In an evaluation step every stage updates its own copy with the same output.
+other stages; one that a training hook updates from the step's loss, which every stage
+holds, has a copy on every stage. In an evaluation step every stage updates its own copy with the same output.
 DDP would sync each metric over one rank per replica; so do these. During fit every metric
 the epoch's sync is installed on reads the last stage of each replica, in training and in
 validation alike: that copy holds the replica's states whichever steps updated it, so a
@@ -111,9 +112,9 @@ class LastStageSync:
         self._gather: _GatherFromSources | None = None
         self._installed: list[Metric] = []
 
-    def install(self, module: nn.Module) -> None:
+    def install(self, metrics: Iterable[Metric]) -> None:
         self._gather = self._gather or _GatherFromSources(self.sources)
-        for metric in module_metrics(module):
+        for metric in metrics:
             if metric.dist_sync_fn is None:
                 metric.dist_sync_fn = self._gather
                 self._installed.append(metric)
@@ -198,7 +199,7 @@ class PipelineMetrics:
     def begin_epoch(self, module: nn.Module) -> None:
         """A training epoch starts: the last one's values are reduced by now."""
         self.forget_logged()
-        self._epoch_sync.install(module)  # metrics made since the last epoch too
+        self._epoch_sync.install(step_metrics(module))  # metrics made since the last epoch too
 
     @contextlib.contextmanager
     def training_step(self, module: nn.Module, topology: Topology) -> Generator[None, None, None]:
@@ -208,13 +209,14 @@ class PipelineMetrics:
             yield
             return
         if topology.is_last_stage:
-            self._training.enter(module_metrics(module), topology.stage_group)
+            self._training.enter(step_metrics(module), topology.stage_group)
         try:
             yield
         finally:
             self._training.exit()
-        self._epoch_sync.install(module)  # a metric the step made, too
-        forget_computed(module)
+        metrics = step_metrics(module)
+        self._epoch_sync.install(metrics)  # a metric the step made, too
+        forget_computed(metrics)
 
     def evaluation_starts(self, module: nn.Module, topology: Topology) -> None:
         """Every stage updates its metrics in evaluation steps: those the epoch's sync reads from
@@ -228,8 +230,7 @@ class PipelineMetrics:
         """A metric the step made syncs over its stage too, and so do metrics the module keeps in a
         container and the callbacks' (each stage's copy sees the same outputs)."""
         if self._evaluation_group is not None:
-            metrics = reachable_metrics(module, module.trainer.callbacks)
-            self._evaluation.enter(metrics, self._evaluation_group, keep=self._epoch_sync.syncs)
+            self._evaluation.enter(step_metrics(module), self._evaluation_group, keep=self._epoch_sync.syncs)
 
     def evaluation_ends(self) -> None:
         self._evaluating, self._evaluation_group = False, None
@@ -254,10 +255,15 @@ class PipelineMetrics:
         self.forget_logged()
 
 
-def forget_computed(module: nn.Module) -> None:
+def step_metrics(module: nn.Module) -> list[Metric]:
+    """The metrics a step or a hook around it may update: the module's and its callbacks'."""
+    return reachable_metrics(module, module.trainer.callbacks)
+
+
+def forget_computed(metrics: Iterable[Metric]) -> None:
     """Drop the value each metric's last ``compute()`` cached. A metric returns that value without
     syncing until its next update, and a training step updates the copies of the last stages only:
     the other stages' cached values would be stale, and their ``compute()`` would skip the sync that
     the last stages enter."""
-    for metric in module_metrics(module):
+    for metric in metrics:
         metric._computed = None

@@ -57,7 +57,11 @@ class Recipes(pl.LightningModule):
         self.model = tiny_bert(seed=0, dropout=0.0)
         self.head = torch.nn.Linear(NUM_LABELS, 1)  # outside the model call: trained on the last stages only
         self.val_samples = torchmetrics.SumMetric()
-        self.kept = {"val_samples": torchmetrics.SumMetric()}  # a metric outside the submodules
+        # metrics outside the submodules; the training one synced over the replicas at each call
+        self.kept = {
+            "val_samples": torchmetrics.SumMetric(),
+            "train_samples": torchmetrics.SumMetric(dist_sync_on_step=True),
+        }
         self.validation_step_outputs = []
         self.seen = defaultdict(list)
 
@@ -72,8 +76,13 @@ class Recipes(pl.LightningModule):
         logged = out.loss.detach().clone()
         self.log("changed_after", logged)
         logged.add_(100.0)  # the value logged is what it held at the call
+        self.kept["train_samples"](torch.tensor(float(len(batch["labels"]))))
         loss = out.loss + self.head(out.logits).pow(2).mean()
         return {"loss": loss, "label0": (batch["labels"] == 0).float().mean()}
+
+    def on_train_epoch_end(self):
+        self.seen["kept_train_samples"].append(float(self.kept["train_samples"].compute()))
+        self.kept["train_samples"].reset()
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if "label0" in outputs:  # the last stages: the step's other outputs, for the whole batch
@@ -220,11 +229,20 @@ class RaiseAtEpochEnd(Callback):
         raise self.exception("stopped on every rank")
 
 
-class CountsValidationSamples(Callback):
-    """A callback's own metric, updated from every validation batch (on every stage, under a pipeline)."""
+class CountsSamples(Callback):
+    """A callback's own metrics, updated from every training and validation batch (on every stage,
+    under a pipeline)."""
 
     def __init__(self):
         self.samples = torchmetrics.SumMetric()
+        self.train_samples = torchmetrics.SumMetric()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.train_samples.update(torch.tensor(float(len(batch["labels"]))))
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        pl_module.seen["callback_train_samples"].append(float(self.train_samples.compute()))
+        self.train_samples.reset()
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
         self.samples.update(torch.tensor(float(len(batch["labels"]))))
@@ -290,7 +308,7 @@ def checkpointed_on_exception(out_dir):
 
 def everywhere(report):
     model = Recipes()
-    trainer = trainer_for(4, max_epochs=2, callbacks=[LogShareCount(), CountsValidationSamples()])
+    trainer = trainer_for(4, max_epochs=2, callbacks=[LogShareCount(), CountsSamples()])
     # 30 samples, 2 replicas, batch 4: 4 steps per epoch, the last of 3 samples (micro-batches 2 + 1).
     trainer.fit(model, loader(30, 4, 1), loader(14, 4, 2))
     report["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
