@@ -341,6 +341,16 @@ def test_a_step_that_skips_its_batch_by_returning_none_is_refused(tmp_path):
     assert "without reaching block" not in output
 
 
+@pytest.mark.parametrize("mode", ["occasional_head", "occasional_head_in_window"])
+def test_a_weight_outside_the_blocks_trained_in_some_batches_only_is_refused(mode, tmp_path):
+    # occasional_head: 2x1, the head first in the second step. occasional_head_in_window: 1x2,
+    # accumulating 2 batches, the head in the first batch of the second window only: its gradient
+    # comes from a batch that does not synchronise, and each replica would step with its own.
+    output = run_workers("recipes_worker.py", 2, str(tmp_path), mode, expect_failure=True)
+    assert "UnexpectedGradientError: ElasticPipelineStrategy: parameter #" in output
+    assert "a weight used only in some steps is not supported" in output
+
+
 def _fit_with_cache(module, cache, tmp_path, caplog, **trainer_args):
     from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 

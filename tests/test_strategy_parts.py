@@ -4,7 +4,9 @@ import copy
 import itertools
 import pickle
 import random
+import warnings
 from collections import namedtuple
+from datetime import timedelta
 
 import lightning.pytorch as pl
 import numpy as np
@@ -227,11 +229,23 @@ def test_schedules_run_each_microbatch_forward_then_backward(schedule, stages, m
         ({"cache_ram_bytes": -5}, "cache_ram_bytes=-5"),
         ({"cache_device_bytes": True}, "cache_device_bytes=True"),
         ({"cache_dir": 3}, "cache_dir=3"),
+        ({"ddp_comm_hook": lambda state, bucket: None}, "ddp_comm_hook=...\\): the strategy reduces gradients itself"),
+        ({"model_averaging_period": 4}, "model_averaging_period=...\\): .* or train with DDPStrategy"),
     ],
 )
 def test_invalid_arguments_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ElasticPipelineStrategy(**kwargs)
+
+
+def test_distributed_data_parallel_arguments_are_named_as_without_effect():
+    with pytest.warns(
+        UserWarning, match="DistributedDataParallel: find_unused_parameters, static_graph have no effect"
+    ):
+        ElasticPipelineStrategy(find_unused_parameters=True, static_graph=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # DDPStrategy's own arguments pass without a word
+        ElasticPipelineStrategy(process_group_backend="gloo", start_method="spawn", timeout=timedelta(seconds=60))
 
 
 def test_byte_counts_may_be_whole_floats_and_numpy_integers():

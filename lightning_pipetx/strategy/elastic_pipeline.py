@@ -60,7 +60,7 @@ from lightning_pipetx.strategy.model_checks import (
     refuse_shared_layers,
     refuse_unconverted_batch_norms,
 )
-from lightning_pipetx.strategy.options import check_arguments
+from lightning_pipetx.strategy.options import check_arguments, check_ddp_arguments
 from lightning_pipetx.strategy.param_store import ParamStore, collective_device
 from lightning_pipetx.strategy.predictions import QuietWriters, gather_trainer_predictions, input_rows
 from lightning_pipetx.strategy.recipe_checks import check_fit_recipe, refuse_collected_outputs, refuse_repeated_closure
@@ -126,7 +126,8 @@ class ElasticPipelineStrategy(DDPStrategy):
             the previous stage waits for first, and its weights' gradients after sending it
             (:mod:`~lightning_pipetx.strategy.split_backward`); False: fused backwards only.
         **kwargs: DDPStrategy's arguments (``process_group_backend``, ``timeout``,
-            ``start_method``, ``cluster_environment``, ...).
+            ``start_method``, ``cluster_environment``, ...); those of ``DistributedDataParallel``
+            have no effect (a warning says so), a communication hook is refused.
 
     The DataLoader's ``batch_size`` is the batch of one replica: the global batch is
     ``batch_size * replicas``, as with DDP.
@@ -168,6 +169,7 @@ class ElasticPipelineStrategy(DDPStrategy):
             elastic,
             keep_global_batch,
         )
+        check_ddp_arguments(kwargs)
         self._autocache = CacheControl(cache, cache_dir, cache_ram_bytes, cache_device_bytes)
         super().__init__(**kwargs)
         self.timeout = kwargs.get("timeout") or default_pg_timeout

@@ -188,7 +188,9 @@ class GradientSync:
             _accumulate([p for p, _ in kept], [g for _, g in kept])
             _accumulate(self._local, [fresh[self._order[id(p)]] for p in self._local])
             if self.topology.layout.world_size > 1:
-                self._check_unexpected(fresh)
+                # the window's earlier batches gave the gradients of the weights Lightning zeroed at its start
+                earlier = {i for i in self._earlier or {} if stepped is None or i in stepped}
+                self._check_unexpected(fresh, earlier)
         else:
             _accumulate(self.all_params, fresh)
             if self._signature != self._current_signature():
@@ -246,9 +248,11 @@ class GradientSync:
                 "Does an optimizer_zero_grad override skip or add zeroing?"
             )
 
-    def _check_unexpected(self, fresh: Grads) -> None:
+    def _check_unexpected(self, fresh: Grads, earlier: set[int]) -> None:
+        """Refuse a gradient, of this step or of the window's earlier batches (the weights ``earlier``
+        names), that no bucket reduces."""
         for position, (param, grad) in enumerate(zip(self.all_params, fresh)):
-            if grad is not None and id(param) not in self._trained_here:
+            if (grad is not None or id(param) in earlier) and id(param) not in self._trained_here:
                 raise UnexpectedGradientError(
                     f"ElasticPipelineStrategy: parameter #{position} (shape {tuple(param.shape)}, outside the block "
                     f"list) got a gradient on stage {self.topology.stage}, which produced none for it in the first "

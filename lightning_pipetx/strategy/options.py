@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from typing import Any
+
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_pipetx.strategy.stage_runner import SCHEDULES
 
@@ -71,3 +75,26 @@ def check_arguments(
             raise _error(name, value, "use True or False")
     if blocks is not None and not isinstance(blocks, str):
         raise _error("blocks", blocks, "use the block list's dotted path (a string), or None to find it")
+
+
+_GRADIENT_REDUCTION = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+
+
+def check_ddp_arguments(kwargs: dict[str, Any]) -> None:
+    """Refuse DDPStrategy's arguments that change how gradients are reduced, and warn that those
+    meant for ``DistributedDataParallel`` have no effect: the strategy reduces gradients itself."""
+    given = [name for name in _GRADIENT_REDUCTION if kwargs.get(name) is not None]
+    if given:
+        raise ValueError(
+            f"ElasticPipelineStrategy({given[0]}=...): the strategy reduces gradients itself, exactly as "
+            "one process would, not through DistributedDataParallel: a communication hook or model "
+            "averaging does not apply. Remove it, or train with DDPStrategy."
+        )
+    named = set(inspect.signature(DDPStrategy.__init__).parameters)
+    ignored = sorted(name for name in kwargs if name not in named)
+    if ignored:
+        rank_zero_warn(
+            f"ElasticPipelineStrategy does not wrap the model in DistributedDataParallel: {', '.join(ignored)} "
+            f"{'has' if len(ignored) == 1 else 'have'} no effect. A weight outside the block list that some steps leave unused is found at a "
+            "layout's first step, or the run stops with an error naming it (see the README's Limitations)."
+        )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import lightning.pytorch as pl
 import torch
 from equivalence_cases import build_case_module
@@ -315,6 +317,19 @@ def none_step_module() -> pl.LightningModule:
 
     def training_step(batch, batch_idx):
         return None if batch_idx == 1 else module.model(**batch).loss
+
+    module.training_step = training_step
+    return module
+
+
+def occasional_head_module(used: Callable[[int], bool]) -> pl.LightningModule:
+    """A tiny BERT with a second head, outside the block list, in the loss of the batches ``used`` accepts."""
+    module = build_case_module({"model": "bert", "lr": 1e-3})
+    module.aux_head = torch.nn.Linear(NUM_LABELS, NUM_LABELS)
+
+    def training_step(batch, batch_idx):
+        out = module.model(**batch)
+        return out.loss + (module.aux_head(out.logits).pow(2).mean() if used(batch_idx) else 0.0)
 
     module.training_step = training_step
     return module

@@ -1,7 +1,7 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
 rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | averaged_model | clamping | hooks_profiled | fp16 | bf16 | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped) [resume CKPT]
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | averaged_model | clamping | hooks_profiled | fp16 | bf16 | occasional_head | occasional_head_in_window | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped) [resume CKPT]
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do) and
 "own_sampler" turns Lightning's distributed sampler off: both give the two stages different
@@ -36,6 +36,7 @@ from recipes_cases import (
     lbfgs_module,
     mixed_precision_module,
     none_step_module,
+    occasional_head_module,
     plateau_module,
     popping_module,
     random_masking,
@@ -125,6 +126,9 @@ def main() -> None:
         "hooks": hook_counting_module,
         "hooks_profiled": hook_counting_module,
         "fp16": fp16_module,
+        # the head in odd batches only; in one batch of every other window of 2 (never a window's last)
+        "occasional_head": lambda: occasional_head_module(lambda i: i % 2 == 1),
+        "occasional_head_in_window": lambda: occasional_head_module(lambda i: i % 4 == 2),
         "bf16": mixed_precision_module,
         "fp16_fused": lambda: fp16_module("adamw_fused"),
         "fp16_fused_replicas": lambda: fp16_module("adamw_fused"),
@@ -171,7 +175,9 @@ def main() -> None:
     epochs = EpochSteps(names.get(mode, ()))
     resume = sys.argv[sys.argv.index("resume") + 1] if "resume" in sys.argv else None
     steps = [ModelCheckpoint(out_dir, save_top_k=-1, every_n_train_steps=6)] if mode == "summed_count" else []
-    length = 1 if mode in ("fp16_fused_replicas", "pruning_replicas", "sam_accumulated") else 2
+    length = (
+        1 if mode in ("fp16_fused_replicas", "pruning_replicas", "sam_accumulated", "occasional_head_in_window") else 2
+    )
     # The refused outputs are refused on the first stage only (the last one waits for its hidden
     # state): the ranks agree on the failure within a third of this timeout.
     timeout = timedelta(
@@ -189,6 +195,8 @@ def main() -> None:
             "sam_accumulated",
             "stage_norms",
             "none_step",
+            "occasional_head",
+            "occasional_head_in_window",
         )
         else 1800
     )
@@ -211,7 +219,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=2 if mode == "epoch_metrics" else 0,
-        accumulate_grad_batches=2 if mode == "sam_accumulated" else 1,
+        accumulate_grad_batches=2 if mode in ("sam_accumulated", "occasional_head_in_window") else 1,
         val_check_interval="00:00:00:01" if mode == "timed_validation" else None,
         # Lightning's PyTorchProfiler puts forward hooks on every module, to name each one's time
         profiler=PyTorchProfiler(dirpath=out_dir, filename="profile") if mode == "hooks_profiled" else None,
