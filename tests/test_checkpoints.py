@@ -9,14 +9,14 @@ import torch
 from distributed import run_workers
 from elastic_cases import build_module, reference_run
 from lightning.fabric.plugins import TorchCheckpointIO
-from lightning.pytorch.callbacks import Callback, LearningRateFinder, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, LearningRateFinder, ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from tiny_models import RandomVectorDataset, TinySequentialRegressor, make_trainer
 from torch.utils.data import DataLoader
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 from lightning_pipetx.strategy.checkpoint import atomic_save
-from lightning_pipetx.strategy.model_checks import UnsupportedRecipeError
+from lightning_pipetx.strategy.model_checks import ManualOptimizationError, UnsupportedRecipeError
 
 
 def _assert_same_weights(actual, expected):
@@ -195,3 +195,39 @@ def test_a_second_name_of_the_blocks_holds_their_weights_in_a_checkpoint_written
             torch.testing.assert_close(value, state["model.blocks." + key.removeprefix("backbone.")], msg=key)
     loaded = SecondName.load_from_checkpoint(tmp_path / "step=2.ckpt")
     assert all(torch.isfinite(p).all() for p in loaded.parameters())
+
+
+class _FailsInConfigureOptimizers(TinySequentialRegressor):
+    def configure_optimizers(self):
+        raise ValueError("the user's configure_optimizers failed")
+
+
+class _ManualOptimization(TinySequentialRegressor):
+    def __init__(self, seed):
+        super().__init__(seed=seed)
+        self.automatic_optimization = False
+
+
+@pytest.mark.parametrize(
+    ("module_class", "error", "match"),
+    [
+        (_FailsInConfigureOptimizers, ValueError, "the user's configure_optimizers failed"),
+        (_ManualOptimization, ManualOptimizationError, "manual optimization"),
+    ],
+)
+def test_a_set_up_that_fails_keeps_its_error_and_on_exception_checkpoint_saves_the_model(
+    module_class, error, match, tmp_path
+):
+    # Before the engine is built every rank holds the whole model: the save after the error writes it
+    # (it used to fail instead with an error that replaced the set-up's own).
+    module = module_class(seed=0)
+    saving = OnExceptionCheckpoint(tmp_path)
+    trainer = make_trainer(
+        [saving], strategy=ElasticPipelineStrategy(), enable_checkpointing=True, default_root_dir=tmp_path
+    )
+    with pytest.raises(error, match=match):
+        trainer.fit(module, DataLoader(RandomVectorDataset(size=16), batch_size=4))
+    saved = torch.load(tmp_path / "on_exception.ckpt", weights_only=False)
+    assert saved["state_dict"].keys() == module.state_dict().keys() and "pipetx" not in saved
+    for key, value in module.state_dict().items():
+        torch.testing.assert_close(saved["state_dict"][key], value)

@@ -272,7 +272,10 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def _require_autopipe(self) -> AutoPipe:
         if self.autopipe is None:
-            raise RuntimeError("ElasticPipelineStrategy is not set up: run it through a Trainer.")
+            raise RuntimeError(
+                "ElasticPipelineStrategy has no engine: it is not set up (run it through a Trainer), or its "
+                "set-up stopped on an error before training began (the error this one was raised while handling)."
+            )
         return self.autopipe
 
     def _running_layout(self) -> Layout | None:
@@ -563,7 +566,10 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def _require_engine(self) -> PipelineEngine:
         if self.engine is None:
-            raise RuntimeError("ElasticPipelineStrategy is not set up: run it through a Trainer.")
+            raise RuntimeError(
+                "ElasticPipelineStrategy has no engine: it is not set up (run it through a Trainer), or its "
+                "set-up stopped on an error before training began (the error this one was raised while handling)."
+            )
         return self.engine
 
     # --------------------------------------------------------------- steps
@@ -715,9 +721,11 @@ class ElasticPipelineStrategy(DDPStrategy):
         return agree == voters if all else agree > 0
 
     # --------------------------------------------------------- checkpoint
-    def _saving_plan(self) -> Plan:
-        """The running engine's plan, else (``trainer.save_checkpoint`` after a run) the last one's."""
-        return self._plan_after_run() or self._require_engine().plan
+    def _saving_plan(self) -> Plan | None:
+        """The running engine's plan, else (``trainer.save_checkpoint`` after a run) the last one's;
+        None where set-up stopped on an error before it built the engine (every rank then holds the
+        whole model and optimizer state, as one process would)."""
+        return self._plan_after_run() or (self.engine.plan if self.engine is not None else None)
 
     def _plan_after_run(self) -> Plan | None:
         """The last run's plan once it closed (every rank then holds every block), else None."""
@@ -727,6 +735,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         """The optimizer's state as one process would hold it, gathered on global rank 0."""
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
         plan = self._saving_plan()
+        if plan is None:
+            return optimizer.state_dict()
         fitting = self.engine is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         self._last_run.check_optimizer_state(fitting)
         blocks, group = self._split.blocks, self.failure_group
@@ -759,13 +769,14 @@ class ElasticPipelineStrategy(DDPStrategy):
             if not self.is_global_zero:
                 return
             plan = self._saving_plan()
-            autopipe = self._require_autopipe()
-            checkpoint["pipetx"] = {
-                "layout": str(plan.layout),
-                "bounds": plan.bounds,
-                "frozen_blocks": self._frozen,
-                "block_costs": autopipe.costs if autopipe.profiled else None,
-            }
+            if plan is not None:
+                autopipe = self._require_autopipe()
+                checkpoint["pipetx"] = {
+                    "layout": str(plan.layout),
+                    "bounds": plan.bounds,
+                    "frozen_blocks": self._frozen,
+                    "block_costs": autopipe.costs if autopipe.profiled else None,
+                }
             atomic_save(self.checkpoint_io, checkpoint, filepath)
         finally:
             self._take_back_lent_blocks()
@@ -782,9 +793,10 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._take_back_lent_blocks()
         if self.engine is not None and self.lightning_module.trainer.state.status == TrainerStatus.INTERRUPTED:
             self._stop_before_checkpoint()
-        if self._plan_after_run() is not None:  # every rank holds every block
+        self._plan_after_run()  # refuses a model that a failed run left incomplete
+        if self.engine is None:  # after the run, or where set-up stopped before it: every rank holds every block
             return self.lightning_module.state_dict()
-        engine = self._require_engine()
+        engine = self.engine
         if engine.profiling_done:  # a checkpoint before the first freeze keeps the measured costs for a resume
             self._take_profile(engine)
         engine.share_updated_params(self.optimizers)
