@@ -351,6 +351,12 @@ def test_a_weight_outside_the_blocks_trained_in_some_batches_only_is_refused(mod
     assert "a weight used only in some steps is not supported" in output
 
 
+def test_a_forward_that_skips_a_stage_s_last_block_in_some_steps_is_refused_naming_the_fix(tmp_path):
+    output = run_workers("recipes_worker.py", 2, str(tmp_path), "skipped_block", expect_failure=True)
+    assert "block 2 was called on a stage that runs blocks [0, 2)" in output
+    assert "pass pipeline_length=1 (data parallel)" in output
+
+
 def _fit_with_cache(module, cache, tmp_path, caplog, **trainer_args):
     from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 

@@ -125,8 +125,10 @@ class StageHooks:
             return incoming.as_output()
         if index >= self.end:
             raise RuntimeError(
-                f"block {index} was called on a stage that runs blocks [{self.start}, {self.end}): "
-                f"the model's forward must call its blocks in order."
+                f"block {index} was called on a stage that runs blocks [{self.start}, {self.end}): under a "
+                "pipeline the model's forward must call every block of its list once, in order. One that skips "
+                "a block in some steps (a branch, a layer drop of its own) or calls blocks out of order cannot be "
+                "split into stages: pass pipeline_length=1 (data parallel), where any order trains."
             )
         if index == start and start > 0:
             incoming, hidden = self._incoming().tensor, _first_input(args, kwargs, first_arg)

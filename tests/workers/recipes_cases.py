@@ -335,6 +335,22 @@ def occasional_head_module(used: Callable[[int], bool]) -> pl.LightningModule:
     return module
 
 
+def skipping_module() -> TinySequentialRegressor:
+    """A residual MLP whose training step skips block 1 (a 2-stage pipeline's first stage's last) in odd batches."""
+    module = TinySequentialRegressor(seed=0, dropout=0.0)
+
+    def training_step(batch, batch_idx):
+        x, y = batch
+        hidden = module.model.embed(x)
+        for index, block in enumerate(module.model.blocks):
+            if not (index == 1 and batch_idx % 2):
+                hidden = block(hidden)
+        return torch.nn.functional.mse_loss(module.model.head(module.model.norm(hidden)), y)
+
+    module.training_step = training_step
+    return module
+
+
 def summed_count_module() -> pl.LightningModule:
     """A tiny BERT that logs the samples of each step with ``reduce_fx="sum"`` over the replicas."""
     module = build_case_module({"model": "bert", "lr": 1e-3})

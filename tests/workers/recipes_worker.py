@@ -1,7 +1,7 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
 rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | averaged_model | clamping | hooks_profiled | fp16 | bf16 | occasional_head | occasional_head_in_window | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped) [resume CKPT]
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | averaged_model | clamping | hooks_profiled | fp16 | bf16 | occasional_head | occasional_head_in_window | skipped_block | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped) [resume CKPT]
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do) and
 "own_sampler" turns Lightning's distributed sampler off: both give the two stages different
@@ -43,6 +43,7 @@ from recipes_cases import (
     sam_module,
     scheduled_module,
     shared_list_module,
+    skipping_module,
     stage_norms_module,
     step_synced_metric_module,
     summed_count_module,
@@ -129,6 +130,7 @@ def main() -> None:
         # the head in odd batches only; in one batch of every other window of 2 (never a window's last)
         "occasional_head": lambda: occasional_head_module(lambda i: i % 2 == 1),
         "occasional_head_in_window": lambda: occasional_head_module(lambda i: i % 4 == 2),
+        "skipped_block": skipping_module,
         "bf16": mixed_precision_module,
         "fp16_fused": lambda: fp16_module("adamw_fused"),
         "fp16_fused_replicas": lambda: fp16_module("adamw_fused"),
@@ -197,6 +199,7 @@ def main() -> None:
             "none_step",
             "occasional_head",
             "occasional_head_in_window",
+            "skipped_block",
         )
         else 1800
     )
@@ -226,7 +229,12 @@ def main() -> None:
     )
     # the loader's batch is per replica, as under DDP: the global batch is GLOBAL_BATCH on either layout
     batch = GLOBAL_BATCH // 2 if length == 1 else GLOBAL_BATCH
-    task = {"intermediates": "timm_vit", "timm_checkpointing": "timm_vit", "reentrant": "sequential"}.get(mode, "bert")
+    task = {
+        "intermediates": "timm_vit",
+        "timm_checkpointing": "timm_vit",
+        "reentrant": "sequential",
+        "skipped_block": "sequential",
+    }.get(mode, "bert")
     loader = train_loader(batch, task=task)
     if mode == "scheduled_uneven":  # 39 samples: 4 global batches of 8 an epoch, 7 samples dropped
         loader = train_loader(batch, size=39, drop_last=True)
