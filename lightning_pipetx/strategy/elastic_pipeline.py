@@ -70,6 +70,12 @@ from lightning_pipetx.strategy.transition import drop_optimizer_state
 log = logging.getLogger("lightning_pipetx")
 
 
+_NOT_RUNNING = (
+    "ElasticPipelineStrategy is not running: it is not set up (run it through a Trainer), or its set-up "
+    "stopped on an error before training began (the error this one was raised while handling)."
+)
+
+
 def _another_epoch_may_follow(trainer: pl.Trainer) -> bool:
     """Whether the training limits (``max_epochs``, ``max_steps``) leave room for an epoch after
     this step's, the last of its epoch."""
@@ -272,10 +278,7 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def _require_autopipe(self) -> AutoPipe:
         if self.autopipe is None:
-            raise RuntimeError(
-                "ElasticPipelineStrategy has no engine: it is not set up (run it through a Trainer), or its "
-                "set-up stopped on an error before training began (the error this one was raised while handling)."
-            )
+            raise RuntimeError(_NOT_RUNNING)
         return self.autopipe
 
     def _running_layout(self) -> Layout | None:
@@ -566,10 +569,7 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def _require_engine(self) -> PipelineEngine:
         if self.engine is None:
-            raise RuntimeError(
-                "ElasticPipelineStrategy has no engine: it is not set up (run it through a Trainer), or its "
-                "set-up stopped on an error before training began (the error this one was raised while handling)."
-            )
+            raise RuntimeError(_NOT_RUNNING)
         return self.engine
 
     # --------------------------------------------------------------- steps

@@ -94,7 +94,8 @@ def check_ddp_arguments(kwargs: dict[str, Any]) -> None:
     ignored = sorted(name for name in kwargs if name not in named)
     if ignored:
         rank_zero_warn(
-            f"ElasticPipelineStrategy does not wrap the model in DistributedDataParallel: {', '.join(ignored)} "
-            f"{'has' if len(ignored) == 1 else 'have'} no effect. A weight outside the block list that some steps leave unused is found at a "
-            "layout's first step, or the run stops with an error naming it (see the README's Limitations)."
+            "ElasticPipelineStrategy does not wrap the model in DistributedDataParallel: "
+            f"{', '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect. A weight outside the "
+            "block list that some steps leave unused is found at a layout's first step, or the run stops "
+            "with an error naming it (see the README's Limitations)."
         )
