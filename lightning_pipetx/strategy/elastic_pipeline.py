@@ -793,8 +793,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._take_back_lent_blocks()
         if self.engine is not None and self.lightning_module.trainer.state.status == TrainerStatus.INTERRUPTED:
             self._stop_before_checkpoint()
-        self._plan_after_run()  # refuses a model that a failed run left incomplete
         if self.engine is None:  # after the run, or where set-up stopped before it: every rank holds every block
+            self._plan_after_run()  # refuses a model that a failed run left incomplete
             return self.lightning_module.state_dict()
         engine = self.engine
         if engine.profiling_done:  # a checkpoint before the first freeze keeps the measured costs for a resume

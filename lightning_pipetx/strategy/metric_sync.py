@@ -4,11 +4,12 @@ In a training step the code after the model call runs on the last stages only: a
 updated there holds the replica's samples on its last stage and its initial state on the
 other stages (one that a training hook updates from the batch or the loss, which every stage
 holds, has a copy on every stage). In an evaluation step every stage updates its own copy
-with the same output. DDP would sync each metric over one rank per replica; so do these. During fit every metric
-the epoch's sync is installed on reads the last stage of each replica, in training and in
-validation alike: that copy holds the replica's states whichever steps updated it, so a
-training metric computed in a validation hook gives DDP's value too. Other metrics (outside
-fit, or made during a validation) sync over the ranks of their stage while evaluation runs.
+with the same output. DDP would sync each metric over one rank per replica; so do these.
+During fit every metric the epoch's sync is installed on reads the last stage of each
+replica, in training and in validation alike: that copy holds the replica's states whichever
+steps updated it, so a training metric computed in a validation hook gives DDP's value too.
+Other metrics (outside fit, or made during a validation) sync over the ranks of their stage
+while evaluation runs.
 """
 
 from __future__ import annotations
