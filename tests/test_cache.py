@@ -288,6 +288,56 @@ def test_a_training_loader_rebuilt_over_another_dataset_switches_the_cache_off(t
     _same(cached, run(False))
 
 
+class _Swappable(torch.utils.data.Dataset):
+    """One dataset object whose samples its owner replaces in place (``base``), keeping its length."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, index):
+        return self.base[index]
+
+
+class _ReloadsInPlace(tm.TinyBertClassifier):
+    """Its train_dataloader() returns the same dataset object every time, with other samples from ``change_at`` on."""
+
+    def __init__(self, change_at):
+        super().__init__(seed=0, dropout=0.0)
+        self.change_at = change_at
+        self.data = _Swappable(tm.RandomTokenDataset(size=32, seed=1))
+
+    def train_dataloader(self):
+        if self.current_epoch == self.change_at:
+            self.data.base = tm.RandomTokenDataset(size=32, seed=2)
+        return DataLoader(self.data, batch_size=8)
+
+
+@pytest.mark.parametrize("change_at", [None, 4])
+def test_a_reloaded_training_dataset_is_checked_before_the_cache_serves_it_again(tmp_path, caplog, change_at):
+    # Reloads at epochs 2 and 4 over the same dataset object: each epoch after one computes the
+    # prefix, and the cache serves again only once that epoch's inputs were compared unchanged with
+    # the earlier ones. Samples changed in place at a reload switch it off, before a stale state is read.
+    def run(cache):
+        rates = tm.HitRates()
+        module = _ReloadsInPlace(change_at)
+        trainer = tm.cached_trainer(tmp_path, cache, [rates], max_epochs=6, reload_dataloaders_every_n_epochs=2)
+        trainer.fit(module)
+        return module.state_dict(), rates.rates
+
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        cached, rates = run("auto")
+    _same(cached, run(False)[0])
+    switched_off = [r.message for r in caplog.records if "AutoCache switched off" in r.message]
+    if change_at is None:
+        assert rates == [None, 0.0, 0.0, 1.0, 0.0, 1.0] and not switched_off
+    else:
+        assert rates == [None, 0.0, 0.0, 1.0, 0.0, 0.0]
+        assert len(switched_off) == 1 and "a dataset a reload changed in place" in switched_off[0]
+
+
 def pad_to_longest(samples):
     batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
     length = int(batch["attention_mask"].sum(1).max())

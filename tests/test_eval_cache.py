@@ -130,6 +130,64 @@ def test_a_validation_dataset_that_changes_its_length_turns_the_validation_cache
         torch.testing.assert_close(cached.state_dict()[key], value, atol=0, rtol=0, msg=key)
 
 
+class _Swappable(torch.utils.data.Dataset):
+    """One dataset object whose samples its owner replaces in place (``base``), keeping its length."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, index):
+        return self.base[index]
+
+
+class SwappedValidation(tm.TinyBertClassifier):
+    """Validates on 24 samples it replaces in place (same object, same length) after the validation of ``epoch``."""
+
+    def __init__(self, data, epoch):
+        super().__init__(seed=0, dropout=0.0)
+        self.data, self.epoch = data, epoch
+
+    def on_validation_epoch_end(self):
+        if self.current_epoch == self.epoch:
+            self.data.base = tm.RandomTokenDataset(size=24, seed=3)
+
+
+def _fit_swapped(cache, tmp_path, epoch, reload_every):
+    data = _Swappable(tm.RandomTokenDataset(size=24, seed=2))
+    module = SwappedValidation(data, epoch)
+    val = DataLoader(data, batch_size=8)
+    return fit(
+        cache, tmp_path, module=module, val_loaders=val, epochs=6, reload_dataloaders_every_n_epochs=reload_every
+    )
+
+
+@pytest.mark.parametrize("epoch, reload_every", [(2, 1), (3, 2)])
+def test_a_validation_dataset_a_reload_changed_in_place_is_never_served_stale(tmp_path, caplog, epoch, reload_every):
+    # The validation after a reload is computed, and compared with the earlier inputs, before any is served.
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        _, record, _ = _fit_swapped(True, tmp_path, epoch, reload_every)
+    _, plain, _ = _fit_swapped(False, tmp_path, epoch, reload_every)
+    assert record.losses == plain.losses  # before: the validation after the change was served the old samples' states
+    assert "validation cache switched off" in caplog.text and "a dataset a reload changed in place" in caplog.text
+    assert "may have used states cached" not in caplog.text
+    assert record.served[epoch + 1] == (0, 24) and record.served[epoch + 2 :] == [None] * (4 - epoch)
+
+
+def test_a_validation_dataset_changed_in_place_without_a_reload_is_found_at_the_next_validation(tmp_path, caplog):
+    # Nothing tells the cache of a change made between two validations without a reload: the
+    # validation after it is served the earlier states, and the next one finds the change and says so.
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        _, record, _ = _fit_swapped(True, tmp_path, 3, 0)
+    _, plain, _ = _fit_swapped(False, tmp_path, 3, 0)
+    assert record.served[3:] == [(24, 24), (24, 24), None]
+    assert record.losses[:4] == plain.losses[:4] and record.losses[5] == plain.losses[5]
+    assert record.losses[4] != plain.losses[4]
+    assert "a dataset a reload changed in place" in caplog.text and "may have used states cached" in caplog.text
+
+
 class MaskedValidation(tm.TinyBertClassifier):
     """A validation step that masks tokens at random before the model call, anew each epoch."""
 

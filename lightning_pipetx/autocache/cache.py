@@ -72,6 +72,7 @@ class AutoCache:
         self.prefix_guard = InputGuard(num_samples, device, tolerance=1e-4)  # what enters the frozen blocks
         self.force = False  # cache=True: a changed input only warns
         self.strict = False  # serve only once what enters the frozen blocks was also compared unchanged
+        self._reloaded = False  # the loader's hook ran again: strict from then on (its inputs may not be tensors)
         self.enabled = True
         self.input_shapes: list[tuple[int, ...]] | None = None  # of one sample, per tensor of the first batch
         self.fills = True  # caches the samples drop_last leaves out (off once the user's step failed on them)
@@ -99,8 +100,17 @@ class AutoCache:
     def serving(self) -> bool:
         """Hits may be served: paying, and the inputs (strict, or rows not yet shown to be samples: and the
         frozen blocks' input) passed a check."""
-        strict = self.strict or self.layout.unproven
+        strict = self.strict or self.layout.unproven or self._reloaded
         return self.paying and self.guard.trusted and (self.prefix_guard.trusted or not strict)
+
+    def reloaded(self) -> None:
+        """The loader's hook built it again (``reload_dataloaders_every_n_epochs``) over the same
+        dataset, which may have changed its samples in place: nothing is served until both guards
+        compared samples loaded since, unchanged."""
+        self._reloaded = True
+        self._prefetched = None
+        self.guard.distrust()
+        self.prefix_guard.distrust()
 
     def disable(self, reason: str, warn: bool = True) -> None:
         self.enabled = False
@@ -156,8 +166,9 @@ class AutoCache:
         compared, changed, prefix_compared, prefix_changed, disabled, *layout_flags = flags.tolist()
         self.layout.agree(layout_flags[:2])
         slow_flags = layout_flags[2:]
+        served = self.guard.trusted  # since the last verdict: an input changed since then may have been served stale
         if self.guard.judge(compared, changed):
-            self._changed(CHANGED_INPUT)
+            self._changed(CHANGED_INPUT + (SERVED_STALE if served else ""))
         elif self.prefix_guard.judge(prefix_compared, prefix_changed):
             if not self.layout.unproven:
                 self._changed(CHANGED_PREFIX_INPUT + ("" if self.strict else SERVED_STALE))  # strict: never served

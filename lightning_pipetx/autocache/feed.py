@@ -134,6 +134,13 @@ class CacheFeed:
         reason = reason or _resized("training", cached_samples, dataset)
         return None if reason is None else reason + "."
 
+    def user_reloaded(self, loop: str) -> None:
+        """The hook of ``loop`` (``"train"`` or ``"val"``) built its loaders again: the cache of that
+        kind serves again only once it compared the inputs loaded since with the earlier ones."""
+        cache = self.control.cache if loop == "train" else self.control.eval_cache
+        if cache is not None and cache.enabled:
+            cache.reloaded()
+
     def loaders_reloaded(self) -> None:
         """The loaders built so far are to be built again (a transition): the next build is a
         reload of the recorded loader, not a second loader, even before a training step ran (a

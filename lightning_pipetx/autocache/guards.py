@@ -8,7 +8,9 @@
   dynamic padding) is counted on the device, without a host copy, once per epoch, when the
   count is read. The cache serves nothing before one such check of the loaded batches has
   passed, so a stale state is never read for a change the loader makes to a tensor: the epoch
-  that fills the cache is always compared with an earlier one. A second guard watches what enters the
+  that fills the cache is always compared with an earlier one. After the loader's hook built it
+  again (a reload, which may have changed its dataset in place) it serves nothing until a check of
+  the batches loaded since passed. A second guard watches what enters the
   frozen blocks (the output of the frozen embeddings), which a ``training_step`` that changes
   its batch before the model call (noise, masking) changes too: that is found one epoch after
   the first one served from the cache, and switches it off. (Only the hidden state is compared:
@@ -51,8 +53,9 @@ def trainable_prefix_reason(names: list[str]) -> str:
 
 
 CHANGED_INPUT = (
-    "a sample's input changed between epochs (random augmentation, or dynamic padding that pads it to another "
-    "length). Cache only deterministic, fixed-shape inputs, or pass cache=False."
+    "a sample's input changed between epochs (random augmentation, dynamic padding that pads it to another "
+    "length, or a dataset a reload changed in place). Cache only deterministic, fixed-shape inputs, or pass "
+    "cache=False."
 )
 
 CHANGED_PREFIX_INPUT = (
@@ -81,6 +84,7 @@ class InputGuard:
         self._latest = torch.zeros_like(self._earlier)  # since the counts were last taken
         self._latest_seen = torch.zeros_like(self._earlier_seen)
         self.trusted = False  # one verdict found compared samples and no change
+        self._verdicts_to_skip = 0  # verdicts that cannot grant trust (they compared samples loaded before a reload)
 
     def observe(self, indices: torch.Tensor, fingerprints: torch.Tensor) -> None:
         """Record this step's fingerprints (``indices`` on the host); no host synchronisation."""
@@ -106,6 +110,15 @@ class InputGuard:
     def judge(self, compared: float, changed: float) -> bool:
         """Whether an input changed, given the counts of every rank; trusts the inputs once a
         check compared samples and found none changed."""
-        if changed == 0 and compared > 0:
+        if self._verdicts_to_skip:
+            self._verdicts_to_skip -= 1
+        elif changed == 0 and compared > 0:
             self.trusted = True
         return changed > 0
+
+    def distrust(self) -> None:
+        """The loader was built again by its hook, whose dataset may now hold other inputs at the
+        same positions: trust again only a check of samples loaded since. The next verdict, taken
+        before any of them were loaded, reports changes but grants no trust."""
+        self.trusted = False
+        self._verdicts_to_skip = 1

@@ -302,7 +302,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         check_lightning_internals(trainer)
         self._last_run = ClosedRun()
         self._metrics.forget_logged()
-        self._loader_rebuild = LoaderRebuild()
+        self._loader_rebuild = LoaderRebuild(on_reload=self._cache_feed.user_reloaded)
         if trainer.state.fn == TrainerFn.FITTING:
             self._loader_rebuild.install(trainer)  # before configure_optimizers, which may build the training loader
         self._batch_keys = (None, None)

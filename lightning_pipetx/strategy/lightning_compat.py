@@ -172,9 +172,11 @@ class LoaderRebuild:
     ``CombinedLoader``'s own loaders (Lightning replaces them in it with those it built for the
     layout of then); the epoch of each loop's last reload, from which
     ``reload_dataloaders_every_n_epochs`` counts; and the batches fit's validation has seen per
-    loader, the step its ``on_step`` logs go to."""
+    loader, the step its ``on_step`` logs go to. ``on_reload`` is told the loop (``"train"`` or
+    ``"val"``) whose hook ran again within the fit: a reload the user asked for."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_reload: Callable[[str], None] | None = None) -> None:
+        self._on_reload = on_reload
         self._train_reload: float | None = None
         self._val_reload: float | None = None
         self._val_seen: dict[int, int] = {}
@@ -202,6 +204,8 @@ class LoaderRebuild:
                 loaders = last
             else:
                 loaders = hook()
+                if loop in self._returned and self._on_reload is not None:
+                    self._on_reload(loop)
                 if loaders is not last:  # a source given to fit gives the same object, already rewritten
                     own = list(loaders.flattened) if isinstance(loaders, CombinedLoader) else []
                 self._returned[loop] = (loaders, own)
