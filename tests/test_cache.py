@@ -288,26 +288,13 @@ def test_a_training_loader_rebuilt_over_another_dataset_switches_the_cache_off(t
     _same(cached, run(False))
 
 
-class _Swappable(torch.utils.data.Dataset):
-    """One dataset object whose samples its owner replaces in place (``base``), keeping its length."""
-
-    def __init__(self, base):
-        self.base = base
-
-    def __len__(self):
-        return len(self.base)
-
-    def __getitem__(self, index):
-        return self.base[index]
-
-
 class _ReloadsInPlace(tm.TinyBertClassifier):
     """Its train_dataloader() returns the same dataset object every time, with other samples from ``change_at`` on."""
 
     def __init__(self, change_at):
         super().__init__(seed=0, dropout=0.0)
         self.change_at = change_at
-        self.data = _Swappable(tm.RandomTokenDataset(size=32, seed=1))
+        self.data = tm.SwappableDataset(tm.RandomTokenDataset(size=32, seed=1))
 
     def train_dataloader(self):
         if self.current_epoch == self.change_at:

@@ -130,19 +130,6 @@ def test_a_validation_dataset_that_changes_its_length_turns_the_validation_cache
         torch.testing.assert_close(cached.state_dict()[key], value, atol=0, rtol=0, msg=key)
 
 
-class _Swappable(torch.utils.data.Dataset):
-    """One dataset object whose samples its owner replaces in place (``base``), keeping its length."""
-
-    def __init__(self, base):
-        self.base = base
-
-    def __len__(self):
-        return len(self.base)
-
-    def __getitem__(self, index):
-        return self.base[index]
-
-
 class SwappedValidation(tm.TinyBertClassifier):
     """Validates on 24 samples it replaces in place (same object, same length) after the validation of ``epoch``."""
 
@@ -156,7 +143,7 @@ class SwappedValidation(tm.TinyBertClassifier):
 
 
 def _fit_swapped(cache, tmp_path, epoch, reload_every):
-    data = _Swappable(tm.RandomTokenDataset(size=24, seed=2))
+    data = tm.SwappableDataset(tm.RandomTokenDataset(size=24, seed=2))
     module = SwappedValidation(data, epoch)
     val = DataLoader(data, batch_size=8)
     return fit(

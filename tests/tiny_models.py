@@ -350,6 +350,19 @@ class RandomTokenDataset(Dataset):
         }
 
 
+class SwappableDataset(Dataset):
+    """One dataset object whose samples its owner replaces in place (``base``), keeping its length."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, index):
+        return self.base[index]
+
+
 class AugmentedTokenDataset(Dataset):
     """:class:`RandomTokenDataset` with a random token swapped in every time a sample is read."""
 
