@@ -381,6 +381,46 @@ def test_a_batch_the_cache_cannot_read_is_refused_for_what_it_is(tmp_path):
         trainer.fit(_DataclassBatches(seed=0, dropout=0.0), data)
 
 
+@dataclasses.dataclass
+class _Inputs:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+
+def _collate_inputs_apart(samples):
+    stacked = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+    return {"inputs": _Inputs(stacked["input_ids"], stacked["attention_mask"]), "labels": stacked["labels"]}
+
+
+class _InputsApart(tm.TinyBertClassifier):
+    def training_step(self, batch, batch_idx):
+        return self.model(**dataclasses.asdict(batch["inputs"]), labels=batch["labels"]).loss
+
+
+def test_a_batch_holding_an_object_the_cache_cannot_read_is_refused_for_what_it_is(tmp_path):
+    # Its other tensors were found, and the dataclass's inputs were neither fingerprinted nor refused.
+    data = DataLoader(tm.RandomTokenDataset(size=32, seed=1), batch_size=8, collate_fn=_collate_inputs_apart)
+    with pytest.raises(ValueError, match="a batch holds a _Inputs, whose tensors the cache cannot read"):
+        tm.cached_trainer(tmp_path, True).fit(_InputsApart(seed=0, dropout=0.0), data)
+
+
+def test_a_training_loader_that_yields_batches_out_of_order_is_not_cached(tmp_path):
+    data = DataLoader(tm.RandomTokenDataset(size=32, seed=1), batch_size=8, num_workers=2, in_order=False)
+    with pytest.raises(ValueError, match=r"as its workers finish them \(DataLoader\(in_order=False\)\)"):
+        tm.cached_trainer(tmp_path, True).fit(tm.TinyBertClassifier(seed=0, dropout=0.0), data)
+
+
+def test_a_validation_loader_that_yields_batches_out_of_order_is_not_cached(tmp_path, caplog):
+    train = DataLoader(tm.RandomTokenDataset(size=32, seed=1), batch_size=8)
+    val = DataLoader(tm.RandomTokenDataset(size=24, seed=2), batch_size=8, num_workers=2, in_order=False)
+    rates = tm.HitRates()
+    trainer = tm.cached_trainer(tmp_path, True, [rates], num_sanity_val_steps=0)
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        trainer.fit(tm.TinyBertClassifier(seed=0, dropout=0.0), train, val)
+    assert "validation cache switched off for this run: the validation loader yields its batches as" in caplog.text
+    assert "pipetx/val_cache_hit_rate" not in trainer.callback_metrics and rates.rates[-1] == 1.0
+
+
 class _Transform(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -408,6 +448,53 @@ def test_the_generators_a_dataset_holds_read_as_before_after_the_fill():
     with generators_kept(held):
         held.draw(), held.entropy.random()
     assert held.draw() == expected
+
+
+class _WeightingCollate:
+    """Draws a weight for each batch's loss from a generator of its own."""
+
+    def __init__(self):
+        self.generator = torch.Generator().manual_seed(123)
+
+    def __call__(self, samples):
+        batch = torch.utils.data.default_collate(samples)
+        batch["weight"] = torch.rand((), generator=self.generator) + 0.5
+        return batch
+
+
+def _weighting_closure():
+    """A collate_fn drawing each batch's weight from a generator it closes over."""
+    generator = torch.Generator().manual_seed(123)
+
+    def collate(samples):
+        batch = torch.utils.data.default_collate(samples)
+        batch["weight"] = torch.rand((), generator=generator) + 0.5
+        return batch
+
+    return collate
+
+
+class _WeightedLoss(tm.TinyBertClassifier):
+    def training_step(self, batch, batch_idx):
+        weight = batch.pop("weight")
+        return self(batch).loss * weight
+
+
+@pytest.mark.parametrize("make_collate", [_WeightingCollate, _weighting_closure])
+def test_the_fill_leaves_the_generator_of_a_collate_fn_as_it_was(tmp_path, make_collate):
+    # drop_last leaves samples out of every epoch, which the fill loads through the collate_fn
+    # after the epoch: before, that drew from its generator, and every later batch had another weight.
+    def run(cache):
+        data = tm.RandomTokenDataset(size=36, seed=1)
+        loader = _seeded_shuffle(data, drop_last=True, collate_fn=make_collate())
+        module, rates = _WeightedLoss(seed=0, dropout=0.0), tm.HitRates()
+        trainer = tm.cached_trainer(tmp_path, cache, [rates], use_distributed_sampler=False, max_epochs=5)
+        trainer.fit(module, loader)
+        return module.state_dict(), rates.rates
+
+    cached, rates = run("auto")
+    assert rates[-2:] == [1.0, 1.0]
+    _same(cached, run(False)[0])
 
 
 class _KeyedByIds(torch.utils.data.Dataset):

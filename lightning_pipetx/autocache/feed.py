@@ -68,6 +68,20 @@ def _not_a_position(kind: str, keys: list[Any], samples: int) -> str | None:
     return None
 
 
+def _out_of_order(kind: str, loader: DataLoader) -> str | None:
+    """Why ``loader``'s batches may reach the step in another order than its sampler drew them
+    (None: in order, as the cache names each batch's samples by that order)."""
+    if getattr(loader, "in_order", True) or loader.num_workers == 0:
+        return None
+    return (
+        f"the {kind} loader yields its batches as its workers finish them (DataLoader(in_order=False)), not in "
+        f"the order its sampler drew them, by which the cache names each batch's samples"
+    )
+
+
+IN_ORDER_FIX = "Leave the DataLoader's in_order=True (the default), or pass cache=False."
+
+
 def _as_tensors(current: list[int] | None, after: list[int] | None) -> Keys:
     return tuple(None if i is None else torch.tensor(i, dtype=torch.long) for i in (current, after))
 
@@ -102,6 +116,10 @@ class CacheFeed:
             self.control.refuse(SEVERAL_LOADERS, ValueError, "Train from one DataLoader, or pass cache=False.")
         if self._several or not self._cacheable(loader):
             return loader, None
+        if (reason := _out_of_order("training", loader)) is not None:
+            self._training = None
+            self.control.refuse(reason, ValueError, IN_ORDER_FIX)
+            return loader, None
         cache = self.control.cache
         if cache is not None:
             reason = self._reload_refusal(loader.dataset, cache.num_samples)
@@ -126,6 +144,8 @@ class CacheFeed:
         if self._validation.dataset is loader.dataset:
             size = len(loader.dataset)
             self.control.open_eval(site, size)
+            if (reason := _out_of_order("validation", loader)) is not None:
+                self.control.refuse_validation(f"{reason}. {IN_ORDER_FIX}")
         return loader
 
     def _reload_refusal(self, dataset: Any, cached_samples: int) -> str | None:
@@ -178,7 +198,7 @@ class CacheFeed:
         dataset, collate = self._training_dataset, self._collate
 
         def load() -> Any:
-            with generators_kept(dataset):  # a plain run never reads them: its augmentation draws as without
+            with generators_kept(dataset, collate):  # a plain run never loads them: its draws are as without
                 return collate([dataset[i] for i in dropped])
 
         return torch.tensor(dropped, dtype=torch.long), load

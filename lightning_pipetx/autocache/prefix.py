@@ -14,7 +14,7 @@ from lightning_pipetx.autocache.cache import AutoCache
 from lightning_pipetx.autocache.extra_outputs import ExtraOutputReads
 from lightning_pipetx.autocache.random_streams import random_state_kept
 from lightning_pipetx.strategy.fingerprint import hidden_state_fingerprints, sample_fingerprints
-from lightning_pipetx.strategy.microbatch import _tensors, sample_shapes
+from lightning_pipetx.strategy.microbatch import _tensors, opaque_leaf, sample_shapes
 from lightning_pipetx.strategy.p2p import Activation
 from lightning_pipetx.strategy.stage_hooks import StageExit, StageHooks
 
@@ -58,6 +58,12 @@ class CachedPrefix:
                 f"can find (it reads the tensors of dicts, lists and tuples), so its rows cannot be matched with "
                 f"the samples whose states are cached: give it tensors with one row per sample, in a dict, list "
                 f"or tuple"
+            )
+        elif (opaque := opaque_leaf(batch)) is not None:
+            self._refuse(
+                f"a batch holds a {opaque}, whose tensors the cache cannot read (it reads the tensors of dicts, "
+                f"lists and tuples), so a change to its inputs would not be found: put its tensors in a dict, "
+                f"list or tuple"
             )
         elif others and samples in firsts:
             self._refuse(

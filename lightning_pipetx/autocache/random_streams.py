@@ -1,11 +1,14 @@
 """Running what a plain run does not run (AutoCache's ``drop_last`` fill loads samples no batch
 held and calls the user's step on them) without drawing from a random stream that training reads
-later: the global streams of torch, Python and NumPy, and the generators a dataset keeps."""
+later: the global streams of torch, Python and NumPy, and the generators a dataset or a
+``collate_fn`` keeps."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,10 +33,11 @@ def random_state_kept(device: torch.device) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def generators_kept(owner: Any, depth: int = 3) -> Iterator[None]:
-    """Leave the random generators ``owner`` holds (``self.rng`` of a dataset, and those of the
-    objects it holds, ``depth`` attributes deep) as they were."""
-    found = _generators(owner, depth, set())
+def generators_kept(*owners: Any, depth: int = 3) -> Iterator[None]:
+    """Leave the random generators ``owners`` hold (``self.rng`` of a dataset, a ``collate_fn``'s,
+    and those of the objects they hold, ``depth`` attributes deep) as they were."""
+    seen: set[int] = set()
+    found = [generator for owner in owners for generator in _generators(owner, depth, seen)]
     states = [_state(generator) for generator in found]
     try:
         yield
@@ -50,15 +54,29 @@ def _generators(obj: Any, depth: int, seen: set[int]) -> list[Any]:
         return []
     if isinstance(obj, _GENERATORS):
         return [obj]
-    if depth == 0 or isinstance(obj, (torch.Tensor, type, str, bytes)):
+    if depth == 0 or isinstance(obj, (torch.Tensor, type, str, bytes, types.ModuleType)):
         return []
-    if isinstance(obj, dict):
+    if isinstance(obj, types.FunctionType):  # a collate_fn: what it closes over, and the globals it names
+        children = [_contents(cell) for cell in obj.__closure__ or ()]
+        children += [obj.__globals__[name] for name in obj.__code__.co_names if name in obj.__globals__]
+    elif isinstance(obj, types.MethodType):
+        children = [obj.__self__]
+    elif isinstance(obj, functools.partial):
+        children = [obj.func, *obj.args, *obj.keywords.values()]
+    elif isinstance(obj, dict):
         children = list(obj.values()) if len(obj) <= _LARGEST_CONTAINER else []
     elif isinstance(obj, (list, tuple)):
         children = list(obj) if len(obj) <= _LARGEST_CONTAINER else []
     else:
         children = list(getattr(obj, "__dict__", {}).values())
     return [generator for child in children for generator in _generators(child, depth - 1, seen)]
+
+
+def _contents(cell: types.CellType) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a closure variable not yet assigned
+        return None
 
 
 def _state(generator: Any) -> Any:

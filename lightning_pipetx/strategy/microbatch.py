@@ -34,6 +34,23 @@ def _tensors(batch: Any) -> list[torch.Tensor]:
     return []
 
 
+_PLAIN = (torch.Tensor, str, bytes, int, float, complex, bool, type(None))
+
+
+def opaque_leaf(batch: Any) -> str | None:
+    """The type of a value in ``batch`` that may hold tensors not found in its dicts, lists and
+    tuples (a dataclass, another object), or None where every value is a tensor or plain."""
+    if isinstance(batch, _PLAIN):
+        return None
+    if isinstance(batch, Mapping):
+        values = batch.values()
+    elif isinstance(batch, (list, tuple)):
+        values = batch
+    else:
+        return type(batch).__name__
+    return next((found for v in values if (found := opaque_leaf(v)) is not None), None)
+
+
 def sample_shapes(batch: Any) -> list[tuple[int, ...]]:
     """The shape of one sample in each tensor of ``batch`` (the batch dimension left out)."""
     return [tuple(t.shape[1:]) for t in _tensors(batch) if t.dim() > 0]
