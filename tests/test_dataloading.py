@@ -115,6 +115,20 @@ def test_a_users_distributed_sampler_is_dealt_again_as_lightning_would_build_it(
     assert deals_to_replicas(dealt[0])
 
 
+def test_a_users_distributed_sampler_over_a_data_set_of_the_ranks_own_is_refused_with_the_fix():
+    # DistributedSampler(num_replicas=1) shuffling a data set each rank holds alone (Lightning keeps
+    # it): dealt to the replicas as one data set, each rank trained half of its own, and the ranks
+    # shared a cache of states of other samples under the same indices.
+    autodp = AutoDP()
+    autodp.reset(world_size=2)
+    data = list(range(SAMPLES))
+    own = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0))
+    message = "deals to num_replicas=1, neither the 2 replicas of the layouts nor the 2 processes.*RandomSampler"
+    with pytest.raises(ValueError, match=message):
+        autodp.reshard(own, 2, 1)
+    assert autodp.reshard(_own(2, 1, "sampler"), 2, 1).sampler.num_replicas == 2  # from distributed_sampler_kwargs
+
+
 def test_a_sampler_that_does_not_deal_to_replicas_keeps_them():
     data = list(range(SAMPLES))
     assert not deals_to_replicas(DataLoader(data, batch_size=4, shuffle=True))

@@ -34,6 +34,7 @@ from lightning_pipetx.strategy.dataloading import (
     batch_size_to_keep,
     deal_again,
     deals_to_replicas,
+    foreign_dealing,
     global_batch_fits,
     keep_epoch_length,
     rebatch,
@@ -127,6 +128,9 @@ class AutoDP:
         the batch size the user gave it) for replica ``rank`` of ``replicas``."""
         if self.replicas0 is None:
             self.replicas0 = replicas
+        reason = foreign_dealing(dataloader, (self.replicas0, replicas), self.world_size)
+        if reason is not None:
+            raise ValueError(f"ElasticPipelineStrategy: {reason}.")
         batch0 = (batch_size_to_keep(dataloader), self.replicas0)
         self.batch_sizes.append(batch0[0])
         if not deals_to_replicas(dataloader) and self.fixed_replicas is None:

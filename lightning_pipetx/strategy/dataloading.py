@@ -38,6 +38,23 @@ def deals_to_replicas(loader: DataLoader) -> bool:
     return _distributed_sampler(loader) is not None
 
 
+def foreign_dealing(loader: DataLoader, replicas: tuple[int, ...], world_size: int) -> str | None:
+    """Why a ``DistributedSampler`` of the user's in ``loader`` cannot be taken to deal one data set
+    to the replicas (None: it deals to one of the layouts' ``replicas`` or to all ``world_size``
+    processes, as one built from ``distributed_sampler_kwargs``, or with its defaults, does)."""
+    sampler = _distributed_sampler(loader)
+    if sampler is None or sampler.num_replicas in (*replicas, world_size):
+        return None
+    shown = " or ".join(str(r) for r in sorted(set(replicas)))
+    return (
+        f"the training DataLoader's DistributedSampler deals to num_replicas={sampler.num_replicas}, neither the "
+        f"{shown} replicas of the layouts nor the {world_size} processes: ElasticPipelineStrategy takes a "
+        f"DistributedSampler to deal one data set to the replicas, and deals it again when they change, which "
+        f"would change what each rank trains on. Build it from trainer.strategy.distributed_sampler_kwargs; for a "
+        f"data set of each rank's own, draw from it with another sampler (RandomSampler, with a generator of yours)"
+    )
+
+
 def deal_again(loader: DataLoader, replicas: int, rank: int) -> DataLoader:
     """``loader`` with a ``DistributedSampler`` of the user's that deals to other replicas (built
     from ``trainer.strategy.distributed_sampler_kwargs`` of the run's first layout) dealing to
