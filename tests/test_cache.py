@@ -480,6 +480,30 @@ def test_beyond_the_ram_budget_the_cache_spills_to_disk(tmp_path):
     assert not list((tmp_path / "spill").glob("pipetx-*"))  # removed when fit ended
 
 
+class _SwapsAfterEpoch(tm.TinyBertClassifier):
+    """Replaces its training samples in place after epoch 2, with no reload: nothing tells the cache."""
+
+    def __init__(self, data):
+        super().__init__(seed=0, dropout=0.0)
+        self.data = data
+
+    def on_train_epoch_end(self):
+        if self.current_epoch == 2:
+            self.data.base = tm.RandomTokenDataset(size=32, seed=2)
+
+
+def test_a_dataset_changed_in_place_is_found_an_epoch_later_and_the_hit_rate_then_reads_zero(tmp_path, caplog):
+    data = tm.SwappableDataset(tm.RandomTokenDataset(size=32, seed=1))
+    rates = tm.HitRates()
+    trainer = tm.cached_trainer(tmp_path, "auto", [rates], max_epochs=6)
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        trainer.fit(_SwapsAfterEpoch(data), DataLoader(data, batch_size=8))
+    messages = [r.message for r in caplog.records if "AutoCache switched off" in r.message]
+    assert len(messages) == 1 and "input changed between epochs" in messages[0]
+    assert "may have used states cached from an earlier one" in messages[0]  # epoch 3 was served the old samples'
+    assert rates.rates == [None, 0.0, 0.0, 1.0, 0.0, 0.0]  # before: 1.0 kept in the logs once off
+
+
 def test_cache_false_records_nothing(tmp_path):
     _, _, trainer = fit(False, tm.RandomTokenDataset(size=32, seed=1), tmp_path, epochs=2)
     assert "pipetx/cache_hit_rate" not in trainer.callback_metrics

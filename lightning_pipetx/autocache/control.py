@@ -230,22 +230,25 @@ class CacheControl:
         evals = self.eval_cache.take_counts() if self.eval_cache is not None else None
         sums += [float(evals.hits), float(evals.lookups)] if evals else [0.0, 0.0]
         sizes = [float(sum(c.tier_bytes(n) for c in self._caches())) for n in TIER_NAMES]
+        sizes += [float(c is not None and not c.enabled) for c in (cache, self.eval_cache)]  # off on some rank
         sums_t = torch.tensor(sums, dtype=torch.float64, device=device)
         sizes_t = torch.tensor(sizes, dtype=torch.float64, device=device)
         if world_size > 1:
             dist.all_reduce(sums_t)
             dist.all_reduce(sizes_t, op=dist.ReduceOp.MAX)  # the ranks of a node share the same files
         sums, sizes = sums_t.tolist(), sizes_t.tolist()
+        *sizes, training_off, validation_off = sizes
         stats = {f"cache_{name}_bytes": size for name, size in zip(("device", "ram", "disk"), sizes)}
+        # A cache switched off serves nothing: its rates read 0 (a value no longer logged would stay as it was).
         eval_hits, eval_lookups = sums[-2:]
-        if eval_lookups > 0:
-            stats["val_cache_hit_rate"] = eval_hits / eval_lookups
+        if eval_lookups > 0 or validation_off:
+            stats["val_cache_hit_rate"] = eval_hits / max(eval_lookups, 1.0)
         hits, lookups = sums[:2]
-        if lookups > 0:
-            stats["cache_hit_rate"] = hits / lookups
-            stats["cache_prefetched"] = sums[-3] / lookups
+        if lookups > 0 or training_off:
+            stats["cache_hit_rate"] = hits / max(lookups, 1.0)
+            stats["cache_prefetched"] = sums[-3] / max(lookups, 1.0)
             for i, name in enumerate(TIER_NAMES):
-                stats[f"cache_served_{name}"] = sums[2 + i] / lookups
+                stats[f"cache_served_{name}"] = sums[2 + i] / max(lookups, 1.0)
                 stats[f"cache_served_{name}_bytes"] = sums[2 + len(TIER_NAMES) + i]
         return stats
 
