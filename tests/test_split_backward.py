@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_pipetx.strategy.split_backward import AVAILABLE, backward_input, refused_by_checkpoint
+from lightning_pipetx.strategy.split_backward import AVAILABLE, backward_input, cannot_split
 
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason="this torch lacks torch.distributed.pipelining._backward")
 
@@ -51,8 +51,22 @@ def test_a_reentrant_checkpoint_refuses_the_input_half_and_the_refusal_is_recogn
     stage, x = _stage(), torch.randn(4, 8, requires_grad=True)
     with pytest.raises(RuntimeError) as error:
         backward_input([_loss(stage, x, reentrant=True)], None, [x], list(stage.parameters()))
-    assert refused_by_checkpoint(error.value)
+    assert cannot_split(error.value)
     assert all(p.grad is None for p in stage.parameters())  # nothing accumulated: a fused backward may follow
+
+
+def test_a_compiled_backward_that_donates_its_buffers_refuses_the_input_half_and_the_refusal_is_recognised():
+    # torch.compile compiles the backward at its first run: one compiled under a whole backward()
+    # (an earlier micro-batch's) donates its buffers, and refuses the graph the input half retains.
+    stage, x = _stage(), torch.randn(4, 8)
+    compiled = torch.compile(stage, backend="aot_eager")
+    (compiled(x.clone().requires_grad_()) ** 2).mean().backward()
+    before = [p.grad.clone() for p in stage.parameters()]
+    x_split = x.clone().requires_grad_()
+    with pytest.raises(RuntimeError) as error:
+        backward_input([(compiled(x_split) ** 2).mean()], None, [x_split], list(stage.parameters()))
+    assert cannot_split(error.value)
+    assert all(torch.equal(p.grad, kept) for p, kept in zip(stage.parameters(), before))  # a fused backward may follow
 
 
 def test_a_weight_used_twice_gets_both_uses_gradients():

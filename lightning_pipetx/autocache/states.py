@@ -26,8 +26,9 @@ EXTRA_OUTPUTS_FIX = "Pass cache=False"
 STILL_TRAINS = (
     "the frozen blocks' output requires a gradient: a weight they use from outside the frozen prefix "
     "(registered after the blocks, or one FreezeCallback found feeding no block in the first step: its "
-    "post_weights) still trains, so a cached state would go stale and its gradient would be lost. "
-    "Freeze that weight too, or pass cache=False"
+    "post_weights) still trains, or a hook makes their input require one (Hugging Face's "
+    "enable_input_require_grads, which gradient_checkpointing_enable calls), so a cached state would go stale "
+    "or its gradient would be lost. Freeze that weight too, or pass cache=False"
 )
 
 

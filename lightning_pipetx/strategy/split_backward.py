@@ -80,8 +80,11 @@ def backward_input(
     return WeightGradients(groups)
 
 
-def refused_by_checkpoint(error: RuntimeError) -> bool:
-    """Whether :func:`backward_input` failed, with nothing computed, because the graph holds a
-    reentrant activation checkpoint (which runs only under a whole ``backward()``)."""
+def cannot_split(error: RuntimeError) -> bool:
+    """Whether :func:`backward_input` failed, with no gradient accumulated and the graph kept,
+    because the graph holds a part that runs only under one whole ``backward()``: a reentrant
+    activation checkpoint, or a backward ``torch.compile`` compiled to donate its buffers
+    (which refuses ``retain_graph``)."""
     message = str(error.__cause__ or error)
-    return "checkpoint" in message.lower() and "compatible with .grad()" in message
+    checkpoint = "checkpoint" in message.lower() and "compatible with .grad()" in message
+    return checkpoint or "donated buffers" in message

@@ -38,7 +38,7 @@ from lightning_pipetx.strategy.p2p import (
     empty_header,
     stand_in_sends,
 )
-from lightning_pipetx.strategy.split_backward import WeightGradients, backward_input, refused_by_checkpoint
+from lightning_pipetx.strategy.split_backward import WeightGradients, backward_input, cannot_split
 from lightning_pipetx.strategy.stage_hooks import BlockCalls, StageExit, StageHooks
 from lightning_pipetx.strategy.topology import Topology
 
@@ -346,12 +346,13 @@ class StageRunner:
 
     def _backward_input(self, roots: list[torch.Tensor], grads: list[torch.Tensor], inputs: list) -> bool:
         """The input half of the step's last backward; the weight half waits for :meth:`_run_weight_half`.
-        False, with nothing computed, where the graph cannot be split (a reentrant activation
-        checkpoint refuses ``torch.autograd.grad``): this stage then runs fused backwards."""
+        False, with nothing accumulated, where the graph cannot be split (a reentrant activation
+        checkpoint, or a compiled backward that donates its buffers, refuses ``torch.autograd.grad``
+        with ``retain_graph``): this stage then runs fused backwards."""
         try:
             work = backward_input(roots, grads or None, inputs, self.weights())
         except RuntimeError as error:
-            if not refused_by_checkpoint(error):
+            if not cannot_split(error):
                 raise
             self.split_backward = False
             log.info("pipetx: stage %d runs fused backwards: %s", self.topology.stage, error.__cause__ or error)
