@@ -597,6 +597,18 @@ class TinySequentialRegressor(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
 
+class SummedBlocksRegressor(TinySequentialRegressor):
+    """:class:`TinySequentialRegressor` whose head reads the sum of every block's output, not only the last's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.embed(x)
+        total = torch.zeros_like(hidden)
+        for block in self.model.blocks:
+            hidden = block(hidden)
+            total = total + hidden
+        return self.model.head(self.model.norm(total))
+
+
 class TinyBatchNormRegressor(TinySequentialRegressor):
     """:class:`TinySequentialRegressor` with a batch norm in every block, in place of its layer norm."""
 

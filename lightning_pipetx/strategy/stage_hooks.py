@@ -27,6 +27,7 @@ from torch import nn
 from lightning_pipetx.checkpointing import in_reentrant_checkpoint
 from lightning_pipetx.strategy.model_checks import UnsupportedRecipeError
 from lightning_pipetx.strategy.p2p import Activation, BoundaryError
+from lightning_pipetx.strategy.unread_output import unread
 
 
 class StageExit(BaseException):  # noqa: N818 - control flow, not an error
@@ -121,8 +122,9 @@ class StageHooks:
             if index == self.end - 1 and not self.is_last_stage:  # the whole stage was cached
                 raise StageExit(incoming)
             # The tuple's other elements (T5's position bias) reach the next block through the
-            # model's own loop, as if this block had run.
-            return incoming.as_output()
+            # model's own loop, as if this block had run; the hidden state is the last skipped block's.
+            output = incoming.as_output()
+            return output if index == start - 1 else unread(output, index, start)
         if index >= self.end:
             raise RuntimeError(
                 f"block {index} was called on a stage that runs blocks [{self.start}, {self.end}): under a "
