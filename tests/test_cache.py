@@ -668,6 +668,11 @@ def test_the_frozen_weights_guard_compares_what_this_rank_computed_at_both_check
     with torch.no_grad():  # a mask that moves, as many zeros as before
         query.weight_mask.copy_(query.weight_mask.flip(1))
     assert guard.changed() == [name + "_mask"]
+    running = "model.bert.encoder.layer.0.running"
+    split.blocks[0].register_buffer("running", torch.zeros(3), persistent=False)  # not in the state dict
+    assert guard.changed() == [running]  # it appeared, as a pruning mask does
+    split.blocks[0].running.add_(1.0)  # a forward that updates a running mean of its input
+    assert guard.changed() == [running] and guard.changed() == []
     elsewhere = lambda m: m is not split.blocks[1]  # noqa: E731 - another rank computes block 1
     guard.watch(module, split, 2, elsewhere)
     guard.changed()

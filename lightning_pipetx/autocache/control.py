@@ -194,7 +194,8 @@ class CacheControl:
         shown = shown_names([repr(name) for name in names])
         self.refuse(
             f"the frozen prefix changed after states were cached from it ({shown}): a callback such as Lightning's "
-            f"ModelPruning, or code writing to frozen weights, outdates every cached state",
+            f"ModelPruning, code writing to frozen weights, or a block's forward updating a buffer (a running mean) "
+            f"outdates every cached state",
             FrozenWeightsChangedError,
             "Pass cache=False (or cache='auto', which turns the cache off when this happens), or leave the frozen "
             "weights as they are (prune only what trains).",

@@ -3,9 +3,10 @@
 A state cached at a depth stands for ``pre`` and the frozen blocks as they were when it was
 computed. Code that changes their weights or buffers afterwards outdates every state: Lightning's
 ``ModelPruning`` pruning a frozen block (it re-registers ``weight`` as ``weight_orig`` and adds a
-``weight_mask`` buffer, then changes the mask), a callback or hook writing to a frozen weight.
-The guard compares exact fingerprints of the prefix's state (parameters and persistent buffers,
-by name) from one check to the next, on the ranks that compute it for the cache.
+``weight_mask`` buffer, then changes the mask), a callback or hook writing to a frozen weight, a
+block whose forward updates a buffer its output depends on (a running mean, persistent or not).
+The guard compares exact fingerprints of the prefix's parameters and buffers, by name, from one
+check to the next, on the ranks that compute it for the cache.
 """
 
 from __future__ import annotations
@@ -82,7 +83,9 @@ class FrozenWeightsGuard:
         for module in modules:
             path = paths[id(module)]
             compared = computes(module)
-            for name, tensor in module.state_dict(keep_vars=True).items():  # parameters, persistent buffers
+            tensors = module.state_dict(keep_vars=True)  # parameters, persistent buffers
+            tensors.update((name, b) for name, b in module.named_buffers() if name not in tensors)  # a forward's too
+            for name, tensor in tensors.items():
                 if not isinstance(tensor, torch.Tensor) or id(tensor) in training_on:
                     continue  # extra state, or a weight that trains on
                 key = f"{path}.{name}" if path else name
