@@ -119,6 +119,19 @@ def test_a_checkpoint_io_of_the_users_writes_where_it_chooses(tmp_path):
     assert list(tmp_path.iterdir()) == [tmp_path / "last.ckpt.v1"]
 
 
+def test_storage_options_reach_the_users_checkpoint_io(tmp_path):
+    # As under DDP: a store's IO reads them (a cloud bucket's options, a version tag); they were refused.
+    class TaggingIO(TorchCheckpointIO):
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            super().save_checkpoint({**checkpoint, "tag": storage_options["tag"]}, path)
+
+    strategy = ElasticPipelineStrategy(profile_steps=0, cache=False)
+    trainer = make_trainer([], max_epochs=1, strategy=strategy, plugins=[TaggingIO()])
+    trainer.fit(TinySequentialRegressor(seed=0), DataLoader(RandomVectorDataset(size=16), batch_size=4))
+    trainer.save_checkpoint(tmp_path / "tagged.ckpt", storage_options={"tag": "v1"})
+    assert torch.load(tmp_path / "tagged.ckpt", weights_only=False)["tag"] == "v1"
+
+
 def test_a_checkpoint_of_another_pipeline_is_refused_in_the_middle_of_a_fit(tmp_path):
     # Loaded while the run goes on (as Lightning's learning-rate finder loads the one it saved), a
     # checkpoint written before blocks froze no longer matches what the ranks hold.

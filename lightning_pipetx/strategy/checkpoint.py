@@ -71,21 +71,24 @@ def _to_cpu(value: Any) -> Any:
     return value.detach().cpu() if hasattr(value, "detach") else value
 
 
-def atomic_save(checkpoint_io: CheckpointIO, checkpoint: dict[str, Any], filepath: str) -> None:
+def atomic_save(
+    checkpoint_io: CheckpointIO, checkpoint: dict[str, Any], filepath: str, storage_options: Any | None = None
+) -> None:
     """Write through ``checkpoint_io`` to a temporary file, then rename it into place: for
     Lightning's ``TorchCheckpointIO`` writing to a local file (a path or ``file://``), which
     writes exactly where it is told. Other stores and IOs (subclasses too; Lightning's
-    ``AsyncCheckpointIO`` writes after it returns) write to ``filepath`` themselves."""
+    ``AsyncCheckpointIO`` writes after it returns) write to ``filepath`` themselves.
+    ``storage_options`` go to the IO, as under DDP (``TorchCheckpointIO`` refuses them)."""
     path = os.fspath(filepath)
     if isinstance(checkpoint_io, AsyncCheckpointIO):  # its thread writes later: copy what training changes meanwhile
         checkpoint = apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().clone())
     if type(checkpoint_io) is not TorchCheckpointIO or fsspec.utils.get_protocol(path) != "file":
-        checkpoint_io.save_checkpoint(checkpoint, path)
+        checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
         return
     path = fsspec.core.strip_protocol(path) if "://" in path else path
     partial = f"{path}.partial"
     try:
-        checkpoint_io.save_checkpoint(checkpoint, partial)
+        checkpoint_io.save_checkpoint(checkpoint, partial, storage_options=storage_options)
         os.replace(partial, path)
     finally:
         if os.path.exists(partial):

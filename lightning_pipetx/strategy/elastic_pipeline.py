@@ -303,6 +303,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._last_run = ClosedRun()
         self._metrics.forget_logged()
         self._loader_rebuild = LoaderRebuild(on_reload=self._cache_feed.user_reloaded)
+        self._epoch_begun = None
         if trainer.state.fn == TrainerFn.FITTING:
             self._loader_rebuild.install(trainer)  # before configure_optimizers, which may build the training loader
         self._batch_keys = (None, None)
@@ -764,8 +765,6 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         try:
-            if storage_options is not None:
-                raise TypeError("ElasticPipelineStrategy.save_checkpoint takes no storage_options")
             if not self.is_global_zero:
                 return
             plan = self._saving_plan()
@@ -777,7 +776,7 @@ class ElasticPipelineStrategy(DDPStrategy):
                     "frozen_blocks": self._frozen,
                     "block_costs": autopipe.costs if autopipe.profiled else None,
                 }
-            atomic_save(self.checkpoint_io, checkpoint, filepath)
+            atomic_save(self.checkpoint_io, checkpoint, filepath, storage_options)
         finally:
             self._take_back_lent_blocks()
 
@@ -851,7 +850,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         if topology is not None:
             length = topology.pipeline_length
             wrote_placeholder = explain_placeholder_write(exception, length)
-            if not wrote_placeholder and not topology.is_last_stage and self.lightning_module.trainer.training:
+            stepping = self.lightning_module.trainer.training and self._epoch_begun is not None  # not restoring
+            if not wrote_placeholder and not topology.is_last_stage and stepping:
                 explain_training_outputs(exception, topology.stage, length)
         super().on_exception(exception)
 
