@@ -5,8 +5,8 @@ them): each returns the hidden state the stage received, which is only the last 
 block's output. The model's own loop hands it to the next block, skipped too, and reads
 nothing; a model that reads a block's output elsewhere (sums every block's output, a skip
 connection past the next block) would read the wrong tensor, and its gradient would not reach
-the stage that computed it. :class:`UnreadOutput` stands for such an output: its metadata
-(shape, dtype, ``requires_grad``) reads as the hidden state's, any other use raises an error
+the stage that computed it. :class:`UnreadOutput` stands for such an output: its shape, dtype
+and device read as the hidden state's (it requires no gradient), any other use raises an error
 naming the fix.
 """
 
