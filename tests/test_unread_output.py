@@ -1,6 +1,6 @@
 """A block a stage does not compute (an earlier stage's, or one AutoCache serves) returns an
 output no one may read but the next block: a model that reads it elsewhere is refused, not
-trained on the wrong tensor."""
+trained on the wrong tensor; so is one that hands the next block the whole output tuple."""
 
 import pytest
 import tiny_models as tm
@@ -40,3 +40,21 @@ def test_a_pipeline_stage_that_would_read_an_earlier_stages_block_output_is_refu
     # The last stage got the first stage's last output for blocks 0 and 1 alike, and sent no gradient back for them.
     output = run_workers("unread_output_worker.py", 2, str(tmp_path), expect_failure=True, timeout=180)
     assert MESSAGE + " (it runs from block 2 on" in output
+
+
+TUPLE_INPUT = "takes a tuple as its first input (the model hands a block's whole output to the next block"
+
+
+def test_a_model_handing_each_block_the_previous_output_tuple_is_refused_naming_the_tuple(tmp_path, caplog):
+    # A cached state, like a stage boundary, hands the next block the hidden state as a tensor.
+    loader = DataLoader(tm.RandomVectorDataset(size=32), batch_size=8)
+    trainer = tm.cached_trainer(tmp_path, "auto")
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        trainer.fit(tm.TupleStreamRegressor(seed=0, dropout=0.0), loader)
+    assert any(TUPLE_INPUT in r.message and "switched off" in r.message for r in caplog.records), caplog.text
+    assert trainer.callback_metrics["pipetx/frozen_blocks"] == 3
+    with pytest.raises(ValueError, match=r"takes a tuple as its first input.*Pass cache=False"):
+        tm.cached_trainer(tmp_path, True).fit(tm.TupleStreamRegressor(seed=0, dropout=0.0), loader)
+    output = run_workers("unread_output_worker.py", 2, str(tmp_path), "tuple_stream", expect_failure=True, timeout=180)
+    assert "UnsupportedRecipeError: block 2 " + TUPLE_INPUT in output
+    assert "(h, mask = block(h, mask)), or pass ElasticPipelineStrategy(pipeline_length=1)" in output

@@ -609,6 +609,32 @@ class SummedBlocksRegressor(TinySequentialRegressor):
         return self.model.head(self.model.norm(total))
 
 
+class TupleStateBlock(nn.Module):
+    """A block taking and returning its residual stream as one tuple: (hidden state, scale)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, state: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, scale = state
+        return self.block(hidden) * scale, scale
+
+
+class TupleStreamRegressor(TinySequentialRegressor):
+    """:class:`TinySequentialRegressor` whose blocks each take the previous block's whole output tuple."""
+
+    def __init__(self, seed: int = 0, dropout: float = 0.1):
+        super().__init__(seed=seed, dropout=dropout)
+        self.model.blocks = nn.Sequential(*(TupleStateBlock(block) for block in self.model.blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = (self.model.embed(x), torch.ones(()))
+        for block in self.model.blocks:
+            state = block(state)
+        return self.model.head(self.model.norm(state[0]))
+
+
 class TinyBatchNormRegressor(TinySequentialRegressor):
     """:class:`TinySequentialRegressor` with a batch norm in every block, in place of its layer norm."""
 

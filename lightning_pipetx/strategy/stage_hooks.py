@@ -135,7 +135,7 @@ class StageHooks:
         if index == start and start > 0:
             incoming, hidden = self._incoming().tensor, _first_input(args, kwargs, first_arg)
             if hidden is not None and hidden is not incoming:
-                _refuse_changed_boundary(index, served=start > self.start)
+                _refuse_changed_boundary(index, hidden, served=start > self.start)
             args, kwargs = _replace_first_input(args, kwargs, first_arg, incoming)
         if index == self.capture_at + 1 and self.captured is not None:
             self._check_captured_input(index, _first_input(args, kwargs, first_arg))
@@ -207,7 +207,9 @@ class StageHooks:
     def _check_captured_input(self, index: int, hidden: Any) -> None:
         """The captured output of block ``index - 1`` must be what block ``index`` gets, or a
         cached state would leave out what the model does between them."""
-        if hidden is not self.captured.tensor:
+        if isinstance(hidden, (tuple, list)):
+            self._uncacheable(f"{_whole_output_passed_on(index, hidden)}, where a cached state stands for a tensor")
+        elif hidden is not self.captured.tensor:
             self._uncacheable(
                 f"the model changes the hidden state between blocks {index - 1} and {index}, outside the block "
                 f"list, so block {index - 1}'s output is not block {index}'s input"
@@ -289,9 +291,22 @@ def _refuse_hooked_skipped_block(index: int) -> None:
     )
 
 
-def _refuse_changed_boundary(index: int, served: bool) -> None:
+def _whole_output_passed_on(index: int, hidden: tuple | list) -> str:
+    return (
+        f"block {index} takes a {type(hidden).__name__} as its first input (the model hands a block's whole "
+        f"output to the next block as one argument)"
+    )
+
+
+def _refuse_changed_boundary(index: int, hidden: Any, served: bool) -> None:
     where = "AutoCache's cached state" if served else "a pipeline stage boundary"
     fix = "cache=False" if served else "pipeline_length=1"
+    if isinstance(hidden, (tuple, list)):
+        raise UnsupportedRecipeError(
+            f"{_whole_output_passed_on(index, hidden)}: {where} hands on the hidden state as a tensor, the first "
+            f"argument of the block after it. Make each block take the hidden state as a tensor first argument "
+            f"and the rest as further arguments (h, mask = block(h, mask)), or pass ElasticPipelineStrategy({fix})."
+        )
     raise UnsupportedRecipeError(
         f"the model changes the hidden state between blocks {index - 1} and {index}, outside the block list (a "
         f"module applied between blocks, as DeBERTa-v2's conv after block 0, or a residual added around each "
