@@ -337,14 +337,29 @@ class BackboneClassifier(tm.TinyBertClassifier):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
 
 
+class EmbeddingsBackboneClassifier(BackboneClassifier):
+    """:class:`BackboneClassifier` whose ``backbone`` is the embeddings, which freeze with block 0."""
+
+    @property
+    def backbone(self):
+        return self.model.bert.embeddings
+
+
+@pytest.mark.parametrize(
+    "module, held",
+    [
+        (BackboneClassifier, "the blocks 'model.bert.encoder.layer'"),
+        (EmbeddingsBackboneClassifier, "weights before the blocks 'model.bert.encoder.layer' \\(the embeddings\\)"),
+    ],
+)
 @pytest.mark.parametrize("freeze_first", [True, False])
-def test_backbone_finetuning_of_the_blocks_is_refused_before_training(freeze_first):
+def test_backbone_finetuning_of_the_blocks_is_refused_before_training(module, held, freeze_first):
     freeze, finetuning = FreezeCallback(signal="schedule"), BackboneFinetuning(unfreeze_backbone_at_epoch=1)
     trainer = make_trainer([freeze, finetuning] if freeze_first else [finetuning, freeze], max_epochs=2)
     with pytest.raises(
-        ValueError, match="BackboneFinetuning unfreezes the LightningModule's backbone.*use one of them"
+        ValueError, match=f"BackboneFinetuning unfreezes the LightningModule's backbone, which holds {held}.*use one"
     ):
-        trainer.fit(BackboneClassifier(), tm.task_loader("bert", size=16))
+        trainer.fit(module(), tm.task_loader("bert", size=16))
     assert trainer.global_step == 0
 
 

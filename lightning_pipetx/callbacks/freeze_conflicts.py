@@ -27,7 +27,8 @@ def finetuning_callbacks(trainer: pl.Trainer) -> list[str]:
 
 
 def refuse_backbone_finetuning(trainer: pl.Trainer, module: pl.LightningModule, split: BlockSplit) -> None:
-    """Refuse a ``BackboneFinetuning`` whose ``module.backbone`` holds the blocks: it would unfreeze them."""
+    """Refuse a ``BackboneFinetuning`` whose ``module.backbone`` holds the blocks, or the weights
+    before them (the embeddings): it would unfreeze what FreezeCallback froze."""
     if not any(isinstance(c, BackboneFinetuning) for c in trainer.callbacks):
         return
     backbone = getattr(module, "backbone", None)
@@ -35,10 +36,15 @@ def refuse_backbone_finetuning(trainer: pl.Trainer, module: pl.LightningModule, 
         return  # BackboneFinetuning refuses such a module itself
     held = {id(p) for p in backbone.parameters()}
     if any(id(p) in held for p in split.blocks.parameters()):
-        raise ValueError(
-            f"BackboneFinetuning unfreezes the LightningModule's backbone, which holds the blocks "
-            f"{split.path!r} that FreezeCallback freezes. {ONE_FREEZER}"
-        )
+        what = f"the blocks {split.path!r}"
+    elif any(id(p) in held for p in split.pre_parameters()):
+        what = f"weights before the blocks {split.path!r} (the embeddings), which freeze with the first block"
+    else:
+        return
+    raise ValueError(
+        f"BackboneFinetuning unfreezes the LightningModule's backbone, which holds {what} that FreezeCallback "
+        f"freezes. {ONE_FREEZER}"
+    )
 
 
 def refuse_retrained(trainer: pl.Trainer, module: nn.Module, frozen: list[nn.Parameter], frozen_blocks: int) -> None:
