@@ -2,17 +2,29 @@
 drop_last loader keeps its number of global batches, each holding the samples it held before, for
 Lightning's DistributedSampler, the DistributedSamplerWrapper it puts around a user's sampler, and
 subclasses. A DistributedSampler of the user's is dealt again to the new replicas; another sampler
-of the user's keeps the replicas. A float limit_val_batches keeps layouts that validate a batch."""
+of the user's keeps the replicas. A float limit_val_batches keeps layouts that validate a batch.
+Under seed_everything(workers=True) a replica's stages seed their loader workers alike."""
 
 import contextlib
+import functools
+import json
 
 import pytest
 import torch
+from distributed import run_workers
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from lightning.fabric.utilities.seed import pl_worker_init_function
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from lightning_pipetx.strategy.autodp import AutoDP
-from lightning_pipetx.strategy.dataloading import DealtLoader, deal_again, deals_to_replicas, keep_epoch_length, rebatch
+from lightning_pipetx.strategy.dataloading import (
+    DealtLoader,
+    deal_again,
+    deals_to_replicas,
+    keep_epoch_length,
+    rebatch,
+    seed_workers_by_replica,
+)
 from lightning_pipetx.strategy.topology import Layout
 
 SAMPLES, BATCH = 39, 8  # 4 batches of 8 an epoch on one replica; padded shares give 5 on two
@@ -209,3 +221,30 @@ def test_a_loader_class_that_cannot_be_built_again_is_refused_with_the_fix():
     loader = _Fixed(list(range(SAMPLES)), hidden=1)
     with pytest.raises(ValueError, match="cannot build the training _Fixed again.*train_dataloader hook"):
         rebatch(loader, (4, 1), 2)
+
+
+def test_workers_lightning_seeds_draw_the_same_augmentation_on_a_replica_s_stages(tmp_path):
+    # Lightning seeds each loader worker by the global rank: a 2x1 replica's stages drew other noise
+    # and stopped on a BatchMismatchError.
+    run_workers("seeded_workers_worker.py", 2, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert ranks[0]["layouts"] == ranks[1]["layouts"] == ["2x1", "2x1", "1x2"]
+    for epoch in ("0", "1"):
+        assert len(ranks[0]["noise"][epoch]) == 32 and ranks[0]["noise"][epoch] == ranks[1]["noise"][epoch]
+    assert set(ranks[0]["noise"]["2"]).isdisjoint(ranks[1]["noise"]["2"])
+    assert [report["workers_seeded_as_rank"] for report in ranks] == [0, 1]  # a stage a replica: DDP's seeding
+
+
+def test_workers_are_seeded_by_replica_only_where_lightning_would_seed_them(monkeypatch):
+    def own(worker_id):
+        pass
+
+    loaders = [DataLoader(range(4)), DataLoader(range(4), worker_init_fn=own)]
+    seed_workers_by_replica(loaders[0], 1)
+    assert loaders[0].worker_init_fn is None  # no seed_everything(workers=True)
+    monkeypatch.setenv("PL_SEED_WORKERS", "1")
+    loaders.append(DataLoader(range(4), worker_init_fn=functools.partial(pl_worker_init_function, rank=3)))
+    for loader in loaders:
+        seed_workers_by_replica(loader, 1)
+    assert [getattr(loader.worker_init_fn, "keywords", None) for loader in loaders] == [{"rank": 1}, None, {"rank": 1}]
+    assert loaders[1].worker_init_fn is own

@@ -4,12 +4,15 @@ stays the user's), and sharded so that samples stay on their replica (:func:`sta
 from __future__ import annotations
 
 import copy
+import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from lightning.fabric.utilities import data as fabric_data
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch.utilities import data as lightning_data
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
@@ -68,6 +71,18 @@ def deal_again(loader: DataLoader, replicas: int, rank: int) -> DataLoader:
     batches = copy.copy(loader.batch_sampler)
     batches.sampler = dealt
     return like(loader, batch_sampler=batches)
+
+
+def seed_workers_by_replica(loader: Any, replica: int) -> Any:
+    """Under ``seed_everything(workers=True)`` seed ``loader``'s workers by the rank's replica, where
+    Lightning (after the strategy's hook) seeds them by the global rank: a replica's stages read the
+    same batches, so their workers draw the same random augmentation. One stage a replica is DDP's
+    seeding. A ``worker_init_fn`` of the user's is kept. Returns ``loader``."""
+    init = getattr(loader, "worker_init_fn", False)
+    lightnings = init is None or (isinstance(init, functools.partial) and init.func is pl_worker_init_function)
+    if int(os.environ.get("PL_SEED_WORKERS", 0)) and lightnings:
+        loader.worker_init_fn = functools.partial(pl_worker_init_function, rank=replica)
+    return loader
 
 
 def share_length(samples: int, replicas: int, drop_last: bool) -> int:

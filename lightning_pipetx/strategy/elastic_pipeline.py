@@ -29,7 +29,7 @@ from lightning_pipetx.strategy.checkpoint import (
     load_held_weights,
     refuse_other_plan,
 )
-from lightning_pipetx.strategy.dataloading import shards_one_index_space, stable_shards
+from lightning_pipetx.strategy.dataloading import seed_workers_by_replica, shards_one_index_space, stable_shards
 from lightning_pipetx.strategy.engine import PipelineEngine
 from lightning_pipetx.strategy.failure import (
     FailureAgreement,
@@ -464,18 +464,20 @@ class ElasticPipelineStrategy(DDPStrategy):
         layout = self._loader_layout()
         if layout is None or not isinstance(dataloader, DataLoader):
             return dataloader
+        replica = layout.coords(self.global_rank)[0]
         if not self._builds_training_loaders(trainer):
             if trainer.state.fn != TrainerFn.FITTING:
-                return dataloader
+                return seed_workers_by_replica(dataloader, replica)
             self._autodp.note_validation(dataloader, trainer.limit_val_batches)
-            return self._cache_feed.validation_loader(dataloader, self._cache_site(layout, dataloader))
-        dataloader = self._autodp.reshard(dataloader, layout.replicas, layout.coords(self.global_rank)[0])
+            dataloader = self._cache_feed.validation_loader(dataloader, self._cache_site(layout, dataloader))
+            return seed_workers_by_replica(dataloader, replica)
+        dataloader = self._autodp.reshard(dataloader, layout.replicas, replica)
         if self._stable_shards():
             dataloader = stable_shards(dataloader)
         dataloader, opened = self._cache_feed.training_loader(dataloader, self._cache_site(layout, dataloader))
         if opened is not None and self.engine is not None:  # else the engine gets it when it is built
             self.engine.cache = opened
-        return dataloader
+        return seed_workers_by_replica(dataloader, replica)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self.failure_group is None:
