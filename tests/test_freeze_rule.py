@@ -133,6 +133,17 @@ def test_gradient_term_ignores_frozen_blocks():
     assert decision.reason == "bound by gradient norm (smallest at block 5)"
 
 
+def test_gradient_term_leaves_out_blocks_that_measured_nothing():
+    # Blocks 0 and 1 have no trainable weight (frozen by the user): their norm of 0 is no evidence
+    # that they converged, nor is block 3's a brake on the blocks before it.
+    decision = decide(0, 4, 1 / 2, 1, grad_norms=[0.0, 0.0, 0.5, 0.3])
+    assert decision == FreezeDecision(0, 2, "bound by alpha")
+    decision = decide(0, 4, 1 / 2, 1, grad_norms=[0.2, 0.4, 0.0, 0.0])
+    assert decision == FreezeDecision(0, 1, "bound by gradient norm (smallest at block 0)")
+    decision = decide(2, 4, 1 / 2, 1, grad_norms=[0.2, 0.4, 0.0, 0.0])
+    assert decision == FreezeDecision(2, 3, "bound by alpha and cap (min_active_blocks=1)")
+
+
 def test_gradient_term_at_first_active_block_freezes_exactly_one_more():
     norms = [9.0, 9.0, 9.0, 0.1, 5.0, 5.0, 5.0, 5.0]
     decision = decide(3, 8, 1.0, 1, grad_norms=norms)
@@ -200,7 +211,7 @@ def test_never_unfreezes_over_many_decisions():
     frozen = 0
     history = []
     for t in range(1, 12):
-        norms = [0.0] + [float(i) for i in range(1, 10)]
+        norms = [0.5] + [float(i) for i in range(1, 10)]
         decision = decide(frozen, 10, 0.2, 2, grad_norms=norms)
         assert decision.frozen >= frozen
         assert decision.frozen <= 8

@@ -5,7 +5,9 @@
 * The alpha term bounds how fast freezing progresses; it is rounded up, so each decision
   may freeze at least one more block.
 * The gradient-norm term stops freezing at the active block whose accumulated gradient norm
-  is smallest: that block and all blocks before it are frozen.
+  is smallest: that block and all blocks before it are frozen. A block whose norm is 0 (it has
+  no trainable weight, or no gradient reached it) measured nothing and is left out; where no
+  active block measured anything, the term does not bind.
 * ``min_active_blocks`` caps the result at ``L - min_active_blocks``; the rule never unfreezes.
 
 ``signal="schedule"`` uses the closed form of the alpha term alone,
@@ -63,8 +65,8 @@ def decide(
         num_blocks: ``L``.
         alpha: the progression bound, in (0, 1].
         min_active_blocks: never freeze more than ``L - min_active_blocks`` blocks.
-        grad_norms: accumulated gradient norm per block (length ``L``); the gradient term is
-            used when given, the closed-form schedule otherwise.
+        grad_norms: accumulated gradient norm per block (length ``L``; 0 where a block measured
+            nothing); the gradient term is used when given, the closed-form schedule otherwise.
         decisions: number of decisions including this one; required for the schedule form.
     """
     cap = num_blocks - min_active_blocks
@@ -79,12 +81,11 @@ def decide(
     else:
         if len(grad_norms) != num_blocks:
             raise ValueError(f"expected {num_blocks} gradient norms, got {len(grad_norms)}")
-        active = range(previous, num_blocks)
-        smallest = min(active, key=lambda i: grad_norms[i])
-        terms = {
-            "alpha": alpha_bound(previous, num_blocks, alpha),
-            f"gradient norm (smallest at block {smallest})": smallest + 1,
-        }
+        terms = {"alpha": alpha_bound(previous, num_blocks, alpha)}
+        measured = [i for i in range(previous, num_blocks) if grad_norms[i] > 0]
+        if measured:
+            smallest = min(measured, key=lambda i: grad_norms[i])
+            terms[f"gradient norm (smallest at block {smallest})"] = smallest + 1
     terms[f"cap (min_active_blocks={min_active_blocks})"] = cap
 
     frozen = min(terms.values())
