@@ -326,6 +326,30 @@ def test_a_block_list_that_trains_nothing_is_refused():
         trainer.fit(module, tm.task_loader("bert", size=16))
 
 
+def test_a_linear_probe_is_told_to_train_without_the_callback():
+    # Only the head trains: no block list does, and naming another would not help.
+    module = tm.TinyBertClassifier(seed=0, dropout=0.0)
+    module.model.bert.requires_grad_(False)
+    trainer = make_trainer([FreezeCallback()], max_epochs=1)
+    with pytest.raises(ValueError, match="or train without FreezeCallback where only weights outside the blocks"):
+        trainer.fit(module, tm.task_loader("bert", size=16))
+
+
+def test_the_first_freeze_names_the_weights_before_block_0_it_freezes(caplog):
+    # A soft prompt, or the embeddings, stop training with the prefix: the log says so, once.
+    module = tm.TinyBertClassifier(seed=0, dropout=0.0)
+    module.model.bert.embeddings.token_type_embeddings.requires_grad_(False)  # frozen by the user: not named
+    with caplog.at_level("INFO", logger="lightning_pipetx"):
+        make_trainer([FreezeCallback(alpha=1 / 2, signal="schedule")], max_epochs=3).fit(
+            module, tm.task_loader("bert", size=16)
+        )
+    named = [r.message for r in caplog.records if "weights before block 0 freeze with the prefix" in r.message]
+    assert named == [
+        "pipetx: weights before block 0 freeze with the prefix: model.bert.embeddings.word_embeddings.weight, "
+        "model.bert.embeddings.position_embeddings.weight, model.bert.embeddings.LayerNorm.weight and 1 more"
+    ]
+
+
 class BackboneClassifier(tm.TinyBertClassifier):
     """A module BackboneFinetuning accepts: its encoder is ``backbone``, its optimizer takes what trains."""
 

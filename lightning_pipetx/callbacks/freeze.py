@@ -217,7 +217,10 @@ class FreezeCallback(Callback):
         finetuning = finetuning_callbacks(trainer)
         if finetuning:
             raise ValueError(f"{what}; {' and '.join(finetuning)} among the callbacks freezes weights. {ONE_FREEZER}")
-        raise ValueError(f"{what}, so there is nothing to freeze. Pass blocks='...' naming the block list you train.")
+        raise ValueError(
+            f"{what}, so there is nothing to freeze. Pass blocks='...' naming the block list you train, or train "
+            f"without FreezeCallback where only weights outside the blocks train (a head, a soft prompt)."
+        )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_tick = time.perf_counter()  # a run resumed mid-epoch skips on_train_epoch_start
@@ -433,6 +436,8 @@ class FreezeCallback(Callback):
     # ------------------------------------------------------------------ action
     def _apply(self, trainer: pl.Trainer) -> None:
         self._frozen_params = self.split.prefix_parameters(self.frozen_blocks)
+        if trainer.is_global_zero:
+            self._name_frozen_pre_weights(trainer.lightning_module)
         for param in self._frozen_params:
             param.requires_grad_(False)
             param.grad = None
@@ -443,6 +448,16 @@ class FreezeCallback(Callback):
             on_freeze(trainer, self.frozen_blocks, self.split)
         elif isinstance(trainer.strategy, DDPStrategy):
             rewrap_ddp(trainer.strategy)
+
+    def _name_frozen_pre_weights(self, module: pl.LightningModule) -> None:
+        """Log the weights before block 0 that trained until now (the embeddings, a soft prompt):
+        they freeze with the prefix."""
+        in_blocks = {id(p) for p in self.split.blocks.parameters()}
+        freezing = {id(p) for p in self._frozen_params if p.requires_grad and id(p) not in in_blocks}
+        names = [name for name, p in module.named_parameters() if id(p) in freezing]
+        if names:
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            log.info("pipetx: weights before block 0 freeze with the prefix: %s%s", ", ".join(names[:3]), more)
 
     def _set_prefix_eval(self) -> None:
         if self._split is not None:
