@@ -170,3 +170,5 @@ def test_fast_dev_run_with_elastic_pipeline_strategy_on_one_device(runs):
     # ... and kept it when the FreezeCallback froze the first block: one device has no other layout.
     assert "pipetx: epoch 0: frozen blocks 0 -> 1 of 2" in text
     assert "pipetx: frozen 0->1 blocks" not in text
+    # jsonargparse passes every DistributedDataParallel argument at its default: none is set, none named
+    assert "does not wrap the model in DistributedDataParallel" not in text

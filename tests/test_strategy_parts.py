@@ -229,6 +229,10 @@ def test_schedules_run_each_microbatch_forward_then_backward(schedule, stages, m
         ({"cache_ram_bytes": -5}, "cache_ram_bytes=-5"),
         ({"cache_device_bytes": True}, "cache_device_bytes=True"),
         ({"cache_dir": 3}, "cache_dir=3"),
+        ({"cache_dir": ""}, "cache_dir=''\\): use a folder's path, or None"),
+        ({"blocks": ""}, "blocks=''\\): use the block list's dotted path"),
+        ({"cache": 0}, "cache=0\\): use 'auto', True or False"),  # 0 == False, but it cached
+        ({"reuse_host_memory": 1}, "reuse_host_memory=1\\): use True, False or 'auto'"),
         ({"ddp_comm_hook": lambda state, bucket: None}, "ddp_comm_hook=...\\): the strategy reduces gradients itself"),
         ({"model_averaging_period": 4}, "model_averaging_period=...\\): .* or train with DDPStrategy"),
     ],
@@ -246,6 +250,22 @@ def test_distributed_data_parallel_arguments_are_named_as_without_effect():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # DDPStrategy's own arguments pass without a word
         ElasticPipelineStrategy(process_group_backend="gloo", start_method="spawn", timeout=timedelta(seconds=60))
+        # and so do DistributedDataParallel's at their defaults, as a LightningCLI config lists them
+        ElasticPipelineStrategy(find_unused_parameters=False, static_graph=False, broadcast_buffers=None, dim=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"pipline_length": 2}, "unexpected keyword argument 'pipline_length': did you mean 'pipeline_length'\\?"),
+        ({"find_unused_parameter": True}, "did you mean 'find_unused_parameters'\\?"),
+        ({"zzz": 1}, "unexpected keyword argument 'zzz'\\.$"),
+    ],
+)
+def test_a_name_no_strategy_takes_is_refused_as_ddp_refuses_it(kwargs, match):
+    # It reached DistributedDataParallel's arguments, and only a warning that it had no effect.
+    with pytest.raises(TypeError, match=match):
+        ElasticPipelineStrategy(**kwargs)
 
 
 def test_byte_counts_may_be_whole_floats_and_numpy_integers():

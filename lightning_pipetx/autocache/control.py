@@ -21,7 +21,7 @@ from lightning_pipetx.autocache.guards import (
 )
 from lightning_pipetx.autocache.tiers import TIER_NAMES
 from lightning_pipetx.blocks import BlockSplit
-from lightning_pipetx.strategy.options import byte_count
+from lightning_pipetx.strategy.options import bool_or_auto, byte_count
 
 _SHM = Path("/dev/shm")
 
@@ -59,7 +59,7 @@ class CacheControl:
     processes keep caches in folders of their own, each holds to its share of the RAM budget."""
 
     def __init__(self, mode: bool | str, cache_dir: str | None, ram_bytes: int, device_bytes: int | str) -> None:
-        if mode not in ("auto", True, False):
+        if not bool_or_auto(mode):
             raise ValueError(f"ElasticPipelineStrategy(cache={mode!r}): use 'auto', True or False.")
         if not (device_bytes == "auto" or byte_count(device_bytes) is not None):
             raise ValueError(
@@ -67,7 +67,7 @@ class CacheControl:
             )
         if byte_count(ram_bytes) is None:
             raise ValueError(f"ElasticPipelineStrategy(cache_ram_bytes={ram_bytes!r}): use a number of bytes >= 0.")
-        if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+        if cache_dir is not None and not (isinstance(cache_dir, (str, os.PathLike)) and os.fspath(cache_dir)):
             raise ValueError(f"ElasticPipelineStrategy(cache_dir={cache_dir!r}): use a folder's path, or None.")
         self.mode = mode
         self.cache_dir = cache_dir

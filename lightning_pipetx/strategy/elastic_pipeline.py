@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import uuid
 from collections.abc import Generator
@@ -152,10 +153,10 @@ class ElasticPipelineStrategy(DDPStrategy):
         cache: bool | str = "auto",
         profile_steps: int = 3,
         cache_dir: str | None = None,
-        cache_ram_bytes: int = 8 * 2**30,
-        cache_device_bytes: int | str = "auto",
+        cache_ram_bytes: int | float = 8 * 2**30,
+        cache_device_bytes: int | float | str = "auto",
         sampler: str = "auto",
-        memory_budget: int | None = None,
+        memory_budget: int | float | None = None,
         bucket_cap_mb: float = 25.0,
         reuse_host_memory: bool | str = "auto",
         split_backward: bool = True,
@@ -175,7 +176,7 @@ class ElasticPipelineStrategy(DDPStrategy):
             elastic,
             keep_global_batch,
         )
-        check_ddp_arguments(kwargs)
+        check_ddp_arguments(kwargs, own=inspect.signature(ElasticPipelineStrategy.__init__).parameters)
         self._autocache = CacheControl(cache, cache_dir, cache_ram_bytes, cache_device_bytes)
         super().__init__(**kwargs)
         self.timeout = kwargs.get("timeout") or default_pg_timeout

@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import math
 import numbers
+from collections.abc import Iterable
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_pipetx.strategy.stage_runner import SCHEDULES
 
@@ -22,6 +25,11 @@ def _error(name: str, value: Any, accepted: str) -> ValueError:
 
 def _whole(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def bool_or_auto(value: Any) -> bool:
+    """Whether ``value`` is True, False or ``"auto"`` (not 0 or 1, which equal False and True)."""
+    return isinstance(value, bool) or (isinstance(value, str) and value == "auto")
 
 
 def byte_count(value: Any) -> int | None:
@@ -64,7 +72,7 @@ def check_arguments(
         or not 0 < bucket_cap_mb < math.inf
     ):
         raise _error("bucket_cap_mb", bucket_cap_mb, "use a size in MB > 0")
-    if reuse_host_memory not in (True, False, "auto"):
+    if not bool_or_auto(reuse_host_memory):
         raise _error("reuse_host_memory", reuse_host_memory, "use True, False or 'auto'")
     for name, value in (
         ("split_backward", split_backward),
@@ -73,16 +81,18 @@ def check_arguments(
     ):
         if not isinstance(value, bool):
             raise _error(name, value, "use True or False")
-    if blocks is not None and not isinstance(blocks, str):
+    if blocks is not None and not (isinstance(blocks, str) and blocks):
         raise _error("blocks", blocks, "use the block list's dotted path (a string), or None to find it")
 
 
 _GRADIENT_REDUCTION = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 
 
-def check_ddp_arguments(kwargs: dict[str, Any]) -> None:
-    """Refuse DDPStrategy's arguments that change how gradients are reduced, and warn that those
-    meant for ``DistributedDataParallel`` have no effect: the strategy reduces gradients itself."""
+def check_ddp_arguments(kwargs: dict[str, Any], own: Iterable[str]) -> None:
+    """Refuse DDPStrategy's arguments that change how gradients are reduced, and a name neither
+    the strategy (``own``), DDPStrategy nor ``DistributedDataParallel`` takes; warn that those
+    meant for ``DistributedDataParallel`` have no effect, where they differ from its defaults (a
+    LightningCLI config lists them all): the strategy reduces gradients itself."""
     given = [name for name in _GRADIENT_REDUCTION if kwargs.get(name) is not None]
     if given:
         raise ValueError(
@@ -91,7 +101,19 @@ def check_ddp_arguments(kwargs: dict[str, Any]) -> None:
             "averaging does not apply. Remove it, or train with DDPStrategy."
         )
     named = set(inspect.signature(DDPStrategy.__init__).parameters)
-    ignored = sorted(name for name in kwargs if name not in named)
+    ddp_defaults = {
+        name: parameter.default
+        for name, parameter in inspect.signature(DistributedDataParallel.__init__).parameters.items()
+        if parameter.default is not inspect.Parameter.empty
+    }
+    unknown = sorted(name for name in kwargs if name not in named and name not in ddp_defaults)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], [*own, *named, *ddp_defaults], n=1)
+        raise TypeError(
+            f"ElasticPipelineStrategy got an unexpected keyword argument {unknown[0]!r}"
+            + (f": did you mean {close[0]!r}?" if close else ".")
+        )
+    ignored = sorted(name for name in kwargs if name not in named and not _is_default(kwargs[name], ddp_defaults[name]))
     if ignored:
         rank_zero_warn(
             "ElasticPipelineStrategy does not wrap the model in DistributedDataParallel: "
@@ -99,3 +121,9 @@ def check_ddp_arguments(kwargs: dict[str, Any]) -> None:
             "block list that some steps leave unused is found at a layout's first step, or the run stops "
             "with an error naming it (see the README's Limitations)."
         )
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    return value is default or (
+        type(value) is type(default) and isinstance(value, (bool, int, float, str)) and value == default
+    )
