@@ -3,7 +3,7 @@ drop_last loader keeps its number of global batches, each holding the samples it
 Lightning's DistributedSampler, the DistributedSamplerWrapper it puts around a user's sampler, and
 subclasses. A DistributedSampler of the user's is dealt again to the new replicas; another sampler
 of the user's keeps the replicas. A float limit_val_batches keeps layouts that validate a batch.
-Under seed_everything(workers=True) a replica's stages seed their loader workers alike."""
+A replica's stages draw the same random augmentation, seeded or not."""
 
 import contextlib
 import functools
@@ -223,16 +223,18 @@ def test_a_loader_class_that_cannot_be_built_again_is_refused_with_the_fix():
         rebatch(loader, (4, 1), 2)
 
 
-def test_workers_lightning_seeds_draw_the_same_augmentation_on_a_replica_s_stages(tmp_path):
-    # Lightning seeds each loader worker by the global rank: a 2x1 replica's stages drew other noise
-    # and stopped on a BatchMismatchError.
-    run_workers("seeded_workers_worker.py", 2, str(tmp_path))
+@pytest.mark.parametrize("mode", ["seeded_workers", "unseeded"])
+def test_random_augmentation_draws_the_same_noise_on_a_replica_s_stages(mode, tmp_path):
+    # Both stopped on a BatchMismatchError: Lightning seeds each loader worker by the global rank
+    # (seeded_workers), and an unseeded process draws from a random state of its own (unseeded).
+    run_workers("augmentation_worker.py", 2, str(tmp_path), mode)
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert ranks[0]["layouts"] == ranks[1]["layouts"] == ["2x1", "2x1", "1x2"]
     for epoch in ("0", "1"):
         assert len(ranks[0]["noise"][epoch]) == 32 and ranks[0]["noise"][epoch] == ranks[1]["noise"][epoch]
     assert set(ranks[0]["noise"]["2"]).isdisjoint(ranks[1]["noise"]["2"])
-    assert [report["workers_seeded_as_rank"] for report in ranks] == [0, 1]  # a stage a replica: DDP's seeding
+    seeded_as = [report["workers_seeded_as_rank"] for report in ranks]
+    assert seeded_as == ([0, 1] if mode == "seeded_workers" else [None, None])  # a stage a replica: DDP's seeding
 
 
 def test_workers_are_seeded_by_replica_only_where_lightning_would_seed_them(monkeypatch):

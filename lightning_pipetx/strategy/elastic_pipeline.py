@@ -65,6 +65,7 @@ from lightning_pipetx.strategy.options import check_arguments, check_ddp_argumen
 from lightning_pipetx.strategy.param_store import ParamStore, collective_device
 from lightning_pipetx.strategy.predictions import QuietWriters, gather_trainer_predictions, input_rows
 from lightning_pipetx.strategy.recipe_checks import check_fit_recipe, refuse_collected_outputs, refuse_repeated_closure
+from lightning_pipetx.strategy.stage_streams import start_unseeded_ranks_alike
 from lightning_pipetx.strategy.topology import Layout, Topology
 from lightning_pipetx.strategy.transition import drop_optimizer_state
 
@@ -334,6 +335,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         # for an LR schedule): it is sharded by replica and recorded for AutoCache as it is built, so
         # that Lightning keeps it (building it again would draw another seed from the user's stream).
         self._layout0 = plan.layout
+        if plan.layout.pipeline_length > 1:
+            start_unseeded_ranks_alike(self.broadcast, self.is_global_zero)
         refuse_shared_layers(self.lightning_module, self._split.blocks, plan.layout.pipeline_length)
         refuse_shared_block_weights(
             self.lightning_module, self._split.path, self._split.blocks, plan.layout.pipeline_length

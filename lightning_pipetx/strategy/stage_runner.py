@@ -268,10 +268,11 @@ class StageRunner:
         )
         raise BatchMismatchError(
             f"stages read a different batch than the stage before them ({where}). Every stage of a replica "
-            f"must read the same batches: a random collate_fn (for example DataCollatorForLanguageModeling's "
-            f"masking, or Mixup), an IterableDataset sharded by global rank, or Trainer("
-            f"use_distributed_sampler=False) with a sampler of your own breaks that. Make the randomness "
-            f"part of the dataset with a seed per sample, shard by `trainer.strategy.distributed_sampler_kwargs` "
+            f"must read the same batches: random augmentation or a random collate_fn (for example "
+            f"DataCollatorForLanguageModeling's masking, or Mixup) drawn from random states seeded otherwise on "
+            f"each rank (seed_everything(seed + rank)), an IterableDataset sharded by global rank, or Trainer("
+            f"use_distributed_sampler=False) with a sampler of your own breaks that. Seed every rank alike "
+            f"(seed_everything(seed), workers=True too), shard by `trainer.strategy.distributed_sampler_kwargs` "
             f"(num_replicas, rank), or let Lightning inject its sampler."
         )
 

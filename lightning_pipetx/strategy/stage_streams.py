@@ -1,6 +1,7 @@
 """A random stream of its own for each pipeline stage's training forwards.
 
-Every rank starts from the same seed (``seed_everything``, or torch's default). Under a pipeline
+Every rank starts from the same seed (``seed_everything``; unseeded, the strategy gives every
+rank global rank 0's random states: :func:`start_unseeded_ranks_alike`). Under a pipeline
 each stage draws dropout and drop-path masks for its own blocks, and stages that draw alike (GPT-2's
 stage 1 runs the embeddings' dropout and then two blocks, as stage 0 does) would draw the same
 masks: block 2 would drop what block 0 dropped, for every micro-batch. :class:`StageStream` gives
@@ -13,11 +14,29 @@ keeps the process's streams, so 1xN draws what DDP draws.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import os
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
 
+import numpy as np
 import torch
 
 _MASK = (1 << 63) - 1
+
+
+def start_unseeded_ranks_alike(broadcast: Callable[[Any], Any], is_global_zero: bool) -> bool:
+    """In a run no ``seed_everything`` seeded, set every rank's CPU random states (torch's,
+    Python's, NumPy's) to global rank 0's (``broadcast`` from it, a collective): a replica's stages
+    must draw the same random augmentation, and seed their loader workers alike. Whether it did."""
+    mine = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    states = broadcast(mine if is_global_zero and "PL_GLOBAL_SEED" not in os.environ else None)
+    if states is None:
+        return False
+    torch.set_rng_state(states[0])
+    random.setstate(states[1])
+    np.random.set_state(states[2])
+    return True
 
 
 def stage_seed(base: int, stage: int, step: int) -> int:

@@ -3,8 +3,9 @@ rank 0 writes what it saw.
 
 Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | averaged_model | clamping | hooks_profiled | fp16 | bf16 | occasional_head | occasional_head_in_window | skipped_block | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped) [resume CKPT]
 
-"random_collate" masks tokens at random in the collate function (as MLM collators do) and
-"own_sampler" turns Lightning's distributed sampler off: both give the two stages different
+"random_collate" masks tokens at random in the collate function (as MLM collators do), and
+"own_sampler" turns Lightning's distributed sampler off (the loader shuffles), each from random
+states seeded per rank (``seed_everything(1 + rank)``): both give the two stages different
 batches, which must end in an error.
 """
 
@@ -240,6 +241,8 @@ def main() -> None:
         loader = train_loader(batch, size=39, drop_last=True)
     if mode == "scheduled_uneven_sampler":  # the same, through a sampler of the user's (Lightning wraps it)
         loader = train_loader(batch, sampler=SeededOrder(39), size=39, drop_last=True)
+    if mode.startswith("random_collate") or mode == "own_sampler":
+        pl.seed_everything(1 + trainer.global_rank)
     if mode.startswith("random_collate"):
         loader = torch.utils.data.DataLoader(loader.dataset, batch_size=GLOBAL_BATCH, collate_fn=random_masking)
     trainer.fit(module, loader, loader if mode in ("plateau", "epoch_metrics") else None, ckpt_path=resume)

@@ -1,9 +1,11 @@
-"""``seed_everything(0, workers=True)`` and random augmentation in a loader worker, on a 2-stage
-pipeline that becomes 2 replicas (2x1 -> 1x2): a replica's stages must draw the same noise.
+"""Random augmentation in the dataset on a 2-stage pipeline that becomes 2 replicas (2x1 -> 1x2):
+a replica's stages must draw the same noise.
 
-Usage: torchrun --nproc_per_node=2 seeded_workers_worker.py OUT_DIR
+Usage: torchrun --nproc_per_node=2 augmentation_worker.py OUT_DIR MODE
+MODE: ``seeded_workers`` (``seed_everything(0, workers=True)``, drawn in a loader worker) or
+``unseeded`` (no ``seed_everything``: each process's own random state; drawn in the main process).
 Every rank writes OUT_DIR/rank<N>.json: the layout each epoch, the noise each epoch's samples
-drew on this rank, and the rank its training loader's workers were last seeded with.
+drew on this rank, and the rank its training loader's workers were last seeded with (or None).
 """
 
 import json
@@ -48,16 +50,18 @@ class NoiseRecorder(TinySequentialRegressor):
 
 
 def main() -> None:
-    pl.seed_everything(0, workers=True)
+    seeded = sys.argv[2] == "seeded_workers"
+    if seeded:
+        pl.seed_everything(0, workers=True)
     layouts = Layouts()
     strategy = ElasticPipelineStrategy(pipeline_length=2, profile_steps=0, cache=False)
     trainer = make_trainer(
         [FreezeCallback(alpha=0.5, signal="schedule"), layouts], max_epochs=3, devices=2, strategy=strategy
     )
     module = NoiseRecorder()
-    trainer.fit(module, DataLoader(NoisyVectors(), batch_size=8, num_workers=1))
-    seeded = trainer.train_dataloader.worker_init_fn.keywords["rank"]
-    report = {"layouts": layouts.layouts, "noise": module.noise, "workers_seeded_as_rank": seeded}
+    trainer.fit(module, DataLoader(NoisyVectors(), batch_size=8, num_workers=1 if seeded else 0))
+    seeded_as = trainer.train_dataloader.worker_init_fn.keywords["rank"] if seeded else None
+    report = {"layouts": layouts.layouts, "noise": module.noise, "workers_seeded_as_rank": seeded_as}
     with open(os.path.join(sys.argv[1], f"rank{trainer.global_rank}.json"), "w") as handle:
         json.dump(report, handle)
 
