@@ -286,8 +286,8 @@ def _refuse_hooked_skipped_block(index: int) -> None:
         f"block {index}, or a module inside it, has a forward hook (register_forward_hook) under a pipeline: the "
         f"block runs on another stage, and on this one the hook would get the hidden state this stage received "
         f"instead of the block's output, or not be called at all (deep supervision, feature distillation, "
-        f"attention maps). Take what the hook collects from the model's outputs, or pass "
-        f"ElasticPipelineStrategy(pipeline_length=1)."
+        f"attention maps). Take what the hook collects from the model's outputs, make a hook that changes its "
+        f"module's output (an adapter) a sub-module the block calls, or pass ElasticPipelineStrategy(pipeline_length=1)."
     )
 
 
