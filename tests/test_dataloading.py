@@ -227,7 +227,8 @@ def test_a_loader_class_that_cannot_be_built_again_is_refused_with_the_fix():
 def test_random_augmentation_draws_the_same_noise_on_a_replica_s_stages(mode, tmp_path):
     # Both stopped on a BatchMismatchError: Lightning seeds each loader worker by the global rank
     # (seeded_workers), and an unseeded process draws from a random state of its own (unseeded).
-    run_workers("augmentation_worker.py", 2, str(tmp_path), mode)
+    output = run_workers("augmentation_worker.py", 2, str(tmp_path), mode)
+    assert ("every rank starts from rank 0's random states" in output) == (mode == "unseeded")
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert ranks[0]["layouts"] == ranks[1]["layouts"] == ["2x1", "2x1", "1x2"]
     for epoch in ("0", "1"):

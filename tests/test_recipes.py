@@ -296,6 +296,7 @@ def test_stages_reading_different_batches_is_an_error(mode, tmp_path):
     # stages compare the batches as the loader gave them.
     output = run_workers("recipes_worker.py", 2, str(tmp_path), mode, expect_failure=True)
     assert "must read the same batches" in output
+    assert "(seed_everything(seed + rank))" in output and "(random_split without a generator)" in output
     for rank in (0, 1):  # every rank stops on the error, so every rank gets its whole model back
         assert f"[rank{rank}]: lightning_pipetx.strategy.stage_runner.BatchMismatchError: " in output
     assert "could not get the blocks" not in output

@@ -260,12 +260,22 @@ def test_distributed_data_parallel_arguments_are_named_as_without_effect():
         ({"pipline_length": 2}, "unexpected keyword argument 'pipline_length': did you mean 'pipeline_length'\\?"),
         ({"find_unused_parameter": True}, "did you mean 'find_unused_parameters'\\?"),
         ({"zzz": 1}, "unexpected keyword argument 'zzz'\\.$"),
+        ({"kwarg": 1}, "unexpected keyword argument 'kwarg'\\.$"),  # not "did you mean 'kwargs'"
     ],
 )
 def test_a_name_no_strategy_takes_is_refused_as_ddp_refuses_it(kwargs, match):
     # It reached DistributedDataParallel's arguments, and only a warning that it had no effect.
     with pytest.raises(TypeError, match=match):
         ElasticPipelineStrategy(**kwargs)
+
+
+def test_a_subclass_s_own_argument_is_offered_for_its_misspelling():
+    class Subclass(ElasticPipelineStrategy):
+        def __init__(self, warmup_layout: str = "2x1", **kwargs):
+            super().__init__(**kwargs)
+
+    with pytest.raises(TypeError, match="'warmup_layot': did you mean 'warmup_layout'\\?"):
+        Subclass(warmup_layot="1x2")
 
 
 def test_byte_counts_may_be_whole_floats_and_numpy_integers():

@@ -177,7 +177,7 @@ class ElasticPipelineStrategy(DDPStrategy):
             elastic,
             keep_global_batch,
         )
-        check_ddp_arguments(kwargs, own=inspect.signature(ElasticPipelineStrategy.__init__).parameters)
+        check_ddp_arguments(kwargs, own=inspect.signature(type(self).__init__).parameters.values())
         self._autocache = CacheControl(cache, cache_dir, cache_ram_bytes, cache_device_bytes)
         super().__init__(**kwargs)
         self.timeout = kwargs.get("timeout") or default_pg_timeout
@@ -336,7 +336,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         # that Lightning keeps it (building it again would draw another seed from the user's stream).
         self._layout0 = plan.layout
         if plan.layout.pipeline_length > 1:
-            start_unseeded_ranks_alike(self.broadcast, self.is_global_zero)
+            start_unseeded_ranks_alike(self.broadcast, self.is_global_zero, self.root_device)
         refuse_shared_layers(self.lightning_module, self._split.blocks, plan.layout.pipeline_length)
         refuse_shared_block_weights(
             self.lightning_module, self._split.path, self._split.blocks, plan.layout.pipeline_length

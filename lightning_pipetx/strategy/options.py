@@ -88,9 +88,9 @@ def check_arguments(
 _GRADIENT_REDUCTION = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 
 
-def check_ddp_arguments(kwargs: dict[str, Any], own: Iterable[str]) -> None:
+def check_ddp_arguments(kwargs: dict[str, Any], own: Iterable[inspect.Parameter]) -> None:
     """Refuse DDPStrategy's arguments that change how gradients are reduced, and a name neither
-    the strategy (``own``), DDPStrategy nor ``DistributedDataParallel`` takes; warn that those
+    the strategy (``own``: its parameters), DDPStrategy nor ``DistributedDataParallel`` takes; warn that those
     meant for ``DistributedDataParallel`` have no effect, where they differ from its defaults (a
     LightningCLI config lists them all): the strategy reduces gradients itself."""
     given = [name for name in _GRADIENT_REDUCTION if kwargs.get(name) is not None]
@@ -100,7 +100,7 @@ def check_ddp_arguments(kwargs: dict[str, Any], own: Iterable[str]) -> None:
             "one process would, not through DistributedDataParallel: a communication hook or model "
             "averaging does not apply. Remove it, or train with DDPStrategy."
         )
-    named = set(inspect.signature(DDPStrategy.__init__).parameters)
+    named = set(_keywords(inspect.signature(DDPStrategy.__init__).parameters.values()))
     ddp_defaults = {
         name: parameter.default
         for name, parameter in inspect.signature(DistributedDataParallel.__init__).parameters.items()
@@ -108,7 +108,7 @@ def check_ddp_arguments(kwargs: dict[str, Any], own: Iterable[str]) -> None:
     }
     unknown = sorted(name for name in kwargs if name not in named and name not in ddp_defaults)
     if unknown:
-        close = difflib.get_close_matches(unknown[0], [*own, *named, *ddp_defaults], n=1)
+        close = difflib.get_close_matches(unknown[0], [*_keywords(own), *named, *ddp_defaults], n=1)
         raise TypeError(
             f"ElasticPipelineStrategy got an unexpected keyword argument {unknown[0]!r}"
             + (f": did you mean {close[0]!r}?" if close else ".")
@@ -121,6 +121,11 @@ def check_ddp_arguments(kwargs: dict[str, Any], own: Iterable[str]) -> None:
             "block list that some steps leave unused is found at a layout's first step, or the run stops "
             "with an error naming it (see the README's Limitations)."
         )
+
+
+def _keywords(parameters: Iterable[inspect.Parameter]) -> list[str]:
+    """The names of ``parameters`` (of an ``__init__``) a caller may pass by keyword."""
+    return [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"]
 
 
 def _is_default(value: Any, default: Any) -> bool:

@@ -270,10 +270,11 @@ class StageRunner:
             f"stages read a different batch than the stage before them ({where}). Every stage of a replica "
             f"must read the same batches: random augmentation or a random collate_fn (for example "
             f"DataCollatorForLanguageModeling's masking, or Mixup) drawn from random states seeded otherwise on "
-            f"each rank (seed_everything(seed + rank)), an IterableDataset sharded by global rank, or Trainer("
-            f"use_distributed_sampler=False) with a sampler of your own breaks that. Seed every rank alike "
-            f"(seed_everything(seed), workers=True too), shard by `trainer.strategy.distributed_sampler_kwargs` "
-            f"(num_replicas, rank), or let Lightning inject its sampler."
+            f"each rank (seed_everything(seed + rank)), a dataset built from random draws of an unseeded script "
+            f"(random_split without a generator), an IterableDataset sharded by global rank, or Trainer("
+            f"use_distributed_sampler=False) with a sampler of your own breaks that. Seed every rank alike before "
+            f"building the data (seed_everything(seed), workers=True too), shard by "
+            f"`trainer.strategy.distributed_sampler_kwargs` (num_replicas, rank), or let Lightning inject its sampler."
         )
 
     # ------------------------------------------------------------ forward

@@ -14,6 +14,7 @@ keeps the process's streams, so 1xN draws what DDP draws.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 from collections.abc import Callable, Iterator
@@ -24,18 +25,29 @@ import torch
 
 _MASK = (1 << 63) - 1
 
+log = logging.getLogger("lightning_pipetx")
 
-def start_unseeded_ranks_alike(broadcast: Callable[[Any], Any], is_global_zero: bool) -> bool:
-    """In a run no ``seed_everything`` seeded, set every rank's CPU random states (torch's,
-    Python's, NumPy's) to global rank 0's (``broadcast`` from it, a collective): a replica's stages
-    must draw the same random augmentation, and seed their loader workers alike. Whether it did."""
-    mine = (torch.get_rng_state(), random.getstate(), np.random.get_state())
-    states = broadcast(mine if is_global_zero and "PL_GLOBAL_SEED" not in os.environ else None)
+
+def start_unseeded_ranks_alike(broadcast: Callable[[Any], Any], is_global_zero: bool, device: torch.device) -> bool:
+    """In a run no ``seed_everything`` seeded, set every rank's random states (torch's on the CPU
+    and on ``device``, Python's, NumPy's) to global rank 0's (``broadcast`` from it, a collective):
+    a replica's stages must draw the same random augmentation, and seed their loader workers alike.
+    Whether it did."""
+    backend = None if device.type == "cpu" else torch.get_device_module(device.type)
+    mine = None
+    if is_global_zero and "PL_GLOBAL_SEED" not in os.environ:
+        on_device = None if backend is None else backend.get_rng_state(device)
+        mine = (torch.get_rng_state(), random.getstate(), np.random.get_state(), on_device)
+    states = broadcast(mine)
     if states is None:
         return False
     torch.set_rng_state(states[0])
     random.setstate(states[1])
     np.random.set_state(states[2])
+    if backend is not None:
+        backend.set_rng_state(states[3], device)
+    if is_global_zero:
+        log.info("pipetx: the run is not seeded (seed_everything): every rank starts from rank 0's random states")
     return True
 
 
