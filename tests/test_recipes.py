@@ -407,6 +407,26 @@ def test_a_prefix_whose_cached_output_would_leave_something_out_is_not_cached(bu
         _fit_with_cache(build(), True, tmp_path / "forced", caplog)
 
 
+def test_hugging_face_checkpointing_without_its_input_hook_is_cached(tmp_path, caplog):
+    # gradient_checkpointing_enable installs enable_input_require_grads, which keeps the frozen
+    # prefix's output requiring a gradient (the cache is off); non-reentrant checkpointing needs no hook.
+    def build():
+        module = build_case_module({"model": "bert", "lr": 1e-3})
+        module.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        module.model.disable_input_require_grads()
+        return module
+
+    runs = _with_and_without_cache(build, tmp_path, caplog)
+    assert runs["auto"].callback_metrics["pipetx/frozen_blocks"] > 0 and _served_fraction(runs["auto"]) == 1.0
+    hooked = build_case_module({"model": "bert", "lr": 1e-3})
+    hooked.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    caplog.clear()
+    trainer = _fit_with_cache(hooked, "auto", tmp_path / "hooked", caplog)
+    assert _served_fraction(trainer) == 0.0
+    fix = "and then call model.disable_input_require_grads(); or pass cache=False"
+    assert any("switched off" in r.message and fix in r.message for r in caplog.records), caplog.text
+
+
 @pytest.mark.parametrize("hooks", ["composable_checkpoint", "pytorch_profiler"])
 def test_blocks_under_hooks_that_leave_their_outputs_alone_are_cached(hooks, tmp_path, caplog):
     # torch's composable activation checkpoint puts forward hooks on the blocks, Lightning's

@@ -28,7 +28,9 @@ STILL_TRAINS = (
     "(registered after the blocks, or one FreezeCallback found feeding no block in the first step: its "
     "post_weights) still trains, or a hook makes their input require one (Hugging Face's "
     "enable_input_require_grads, which gradient_checkpointing_enable calls), so a cached state would go stale "
-    "or its gradient would be lost. Freeze that weight too, or pass cache=False"
+    "or its gradient would be lost. Freeze that weight too; for Hugging Face's checkpointing pass "
+    "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}) and then call "
+    "model.disable_input_require_grads(); or pass cache=False"
 )
 
 
