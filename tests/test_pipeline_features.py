@@ -13,6 +13,7 @@ import torch
 from compiled_worker import EPOCHS, CompiledRegressor
 from distributed import REPO, TESTS_DIR, run_workers
 from features_worker import Classifier
+from step_randomness_worker import train as train_with_mixup
 from tiny_models import RandomVectorDataset, make_trainer
 from torch.utils.data import DataLoader, DistributedSampler
 from tuner_worker import GLOBAL_BATCH, tune_and_fit
@@ -192,3 +193,14 @@ def test_callbacks_decide_on_what_the_last_stage_saw(tmp_path):
     for rank in (0, 1):
         report = json.loads((tmp_path / f"decisions_rank{rank}.json").read_text())
         assert report == {"best": "epoch=2-step=6.ckpt", "epochs": 3}
+
+
+def test_randomness_a_step_draws_before_the_model_call_is_alike_on_every_stage(tmp_path):
+    # Mixup in training_step: the first stage mixes the inputs, the last the targets. Each stage drew
+    # from a random stream of its own, so the targets were mixed otherwise than the inputs.
+    run_workers("step_randomness_worker.py", 2, str(tmp_path))
+    expected = train_with_mixup(devices=1)
+    for rank in range(2):
+        weights = torch.load(tmp_path / f"rank{rank}.pt")
+        for name, value in expected.items():
+            torch.testing.assert_close(weights[name], value, rtol=0, atol=1e-6, msg=f"rank {rank}: {name}")

@@ -8,7 +8,7 @@ gradient synchronisation and the released block weights.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -108,14 +108,29 @@ class PipelineEngine:
         self._frozen = value
 
     # --------------------------------------------------------------- steps
-    def _stage_stream(self) -> contextlib.AbstractContextManager:
+    def _stage_stream(self) -> StageStream | None:
         """Under a pipeline, this stage's own random stream (from the layout's first step on)."""
         if self.topology.pipeline_length == 1:
-            return contextlib.nullcontext()
+            return None
         if self._stream is None:
             seed = stage_seed(torch.initial_seed(), self.topology.stage, self.module.trainer.global_step)
             self._stream = StageStream(seed, self.device)
-        return self._stream.drawing()
+        return self._stream
+
+    def _drawing_from_first_block(
+        self, stream: StageStream, inner: Callable[[int], contextlib.AbstractContextManager]
+    ) -> Callable[[int], contextlib.AbstractContextManager]:
+        """The micro-batch context ``inner``, inside which the stage's blocks draw from ``stream``."""
+
+        def arm(enter: Callable[[], None] | None) -> None:
+            self.hooks.on_stage_start = enter
+
+        @contextlib.contextmanager
+        def context(position: int) -> Iterator[None]:
+            with inner(position), stream.from_first_block(arm):
+                yield
+
+        return context
 
     def _microbatches(self, batch: Any) -> tuple[list[Any], list[int]]:
         if self.num_microbatches == 1:  # left whole: any batch DDP takes
@@ -178,13 +193,16 @@ class PipelineEngine:
             context = prefix.begin_step(batch, indices, rows, self._cache_depth())
             if context is not None:
                 self.runner.microbatch_context = context
+        stream = self._stage_stream()
+        if stream is not None:
+            self.runner.microbatch_context = self._drawing_from_first_block(stream, self.runner.microbatch_context)
         total = sum(sizes)
         weights = [loss_scale * n / total for n in sizes]
         self.grad_sync.begin_step(sync)
         self.hooks.timer.active = 0 < self._steps <= self.profile_steps
         self._steps += 1
         try:
-            with self.recorder.capture(), self._stage_stream():
+            with self.recorder.capture():
                 outputs = self.runner.train(
                     microbatches, self._step_fn(step, args, kwargs, sizes), weights, self.schedule
                 )

@@ -84,6 +84,7 @@ class StageHooks:
         self.capture_at = -1
         self.captured: Activation | None = None
         self.on_first_block: Callable[[], None] | None = None  # AutoCache times the prefix it computes
+        self.on_stage_start: Callable[[], None] | None = None  # the stage's random stream begins
         self.on_capture: Callable[[], None] | None = None
         self.on_uncacheable: Callable[[str], None] | None = None  # why the micro-batch's prefix cannot be cached
         self.on_prefix_input: Callable[[torch.Tensor], None] | None = None  # block 0's hidden state, for AutoCache
@@ -108,6 +109,8 @@ class StageHooks:
     def _forward(self, index: int, original: Callable, first_arg: str | None, *args: Any, **kwargs: Any) -> Any:
         if self.calls is not None:
             self._count(index, self.calls)
+        if index == self.start and self.on_stage_start is not None:
+            self.on_stage_start()
         if index == 0 and self.on_prefix_input is not None:
             hidden = _first_input(args, kwargs, first_arg)
             if isinstance(hidden, torch.Tensor):

@@ -1,14 +1,17 @@
-"""A random stream of its own for each pipeline stage's training forwards.
+"""A random stream of its own for each pipeline stage's blocks, in training forwards.
 
 Every rank starts from the same seed (``seed_everything``; unseeded, the strategy gives every
 rank global rank 0's random states: :func:`start_unseeded_ranks_alike`). Under a pipeline
 each stage draws dropout and drop-path masks for its own blocks, and stages that draw alike (GPT-2's
 stage 1 runs the embeddings' dropout and then two blocks, as stage 0 does) would draw the same
 masks: block 2 would drop what block 0 dropped, for every micro-batch. :class:`StageStream` gives
-the schedule of stage ``s`` a stream seeded from the run's seed, ``s`` and the step the layout
-began at, and leaves the process's own streams as they were: what the loaders and callbacks draw
-stays alike on every rank. Replicas of a stage draw alike, as DDP's replicas do; one stage (1xN)
-keeps the process's streams, so 1xN draws what DDP draws.
+stage ``s``, from its first block to the end of each micro-batch's forward, a stream seeded from
+the run's seed, ``s`` and the step the layout began at, and leaves the process's own streams as
+they were. What a step draws before the stage's first block (Mixup, masking tokens, the
+embeddings' dropout) comes from the process's streams, which every stage of a replica runs alike:
+the first stage's inputs and the last stage's targets are mixed alike. What the loaders and
+callbacks draw stays alike on every rank. Replicas of a stage draw alike, as DDP's replicas do;
+one stage (1xN) keeps the process's streams, so 1xN draws what DDP draws.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def stage_seed(base: int, stage: int, step: int) -> int:
 
 
 class StageStream:
-    """The CPU's and ``device``'s random states of one stage, swapped in around its schedule."""
+    """The CPU's and ``device``'s random states of one stage, swapped in from its first block."""
 
     def __init__(self, seed: int, device: torch.device) -> None:
         self._backend = None if device.type == "cpu" else torch.get_device_module(device.type)
@@ -73,18 +76,29 @@ class StageStream:
                 self._backend.set_rng_state(saved, device)
 
     @contextlib.contextmanager
-    def drawing(self) -> Iterator[None]:
-        """Draw from this stage's stream inside; the process's streams continue where they were."""
-        saved_cpu = torch.get_rng_state()
-        saved_device = None if self._backend is None else self._backend.get_rng_state(self._device)
-        torch.set_rng_state(self._cpu)
-        if self._backend is not None:
-            self._backend.set_rng_state(self._on_device, self._device)
+    def from_first_block(self, arm: Callable[[Callable[[], None] | None], None]) -> Iterator[None]:
+        """Inside, draw from the process's streams until ``arm``'s callback runs (the stage's first
+        block, through :class:`~lightning_pipetx.strategy.stage_hooks.StageHooks`), from this
+        stage's stream after it; the process's streams continue where they were left."""
+        saved: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+        def enter() -> None:
+            if not saved:
+                saved.append((torch.get_rng_state(), self._device_state()))
+                torch.set_rng_state(self._cpu)
+                if self._backend is not None:
+                    self._backend.set_rng_state(self._on_device, self._device)
+
+        arm(enter)
         try:
             yield
         finally:
-            self._cpu = torch.get_rng_state()
-            torch.set_rng_state(saved_cpu)
-            if self._backend is not None:
-                self._on_device = self._backend.get_rng_state(self._device)
-                self._backend.set_rng_state(saved_device, self._device)
+            arm(None)
+            if saved:
+                self._cpu, self._on_device = torch.get_rng_state(), self._device_state()
+                torch.set_rng_state(saved[0][0])
+                if self._backend is not None:
+                    self._backend.set_rng_state(saved[0][1], self._device)
+
+    def _device_state(self) -> torch.Tensor | None:
+        return None if self._backend is None else self._backend.get_rng_state(self._device)
