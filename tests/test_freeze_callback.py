@@ -1239,3 +1239,15 @@ def test_a_callback_reused_for_another_model_starts_it_with_nothing_frozen():
     second = tm.TinySequentialRegressor(seed=0, num_blocks=8)
     tm.make_trainer([freeze, at_start], max_epochs=2).fit(second, tm.task_loader("sequential", size=16))
     assert at_start.frozen[2] == 0 and (freeze.frozen_blocks, freeze.decisions) == (4, 2)
+
+
+def test_a_decision_without_a_measured_gradient_says_so(caplog):
+    # The user froze blocks 2 and 3: once 0 and 1 froze, no active block measures a gradient.
+    module = tm.TinySequentialRegressor(seed=0, dropout=0.0)
+    module.model.blocks[2:].requires_grad_(False)
+    freeze = FreezeCallback(alpha=1 / 2)
+    with caplog.at_level("INFO", logger="lightning_pipetx"):
+        make_trainer([freeze], max_epochs=3).fit(module, tm.task_loader("sequential", size=16, batch_size=4))
+    assert freeze.frozen_blocks == 2
+    skipped = [r.message for r in caplog.records if "no decision" in r.message]
+    assert skipped and all("no active block measured a gradient" in message for message in skipped)

@@ -406,8 +406,14 @@ class FreezeCallback(Callback):
         grad_norms = None
         if self._measures_gradients():
             sums, steps = self._norms.totals()
-            if steps == 0:
-                return False  # no gradient was measured since the last decision: no evidence to act on
+            if steps == 0:  # no evidence to act on
+                if trainer.is_global_zero:
+                    log.info(
+                        "pipetx: epoch %d: no decision: no active block measured a gradient since the last one "
+                        "(no optimizer step counted, or no active block has a trainable weight)",
+                        epoch,
+                    )
+                return False
             grad_norms = (sums / steps).tolist()
         self.decisions += 1
         decision = decide(
