@@ -15,6 +15,8 @@ from typing import Any
 import numpy
 import torch
 
+from lightning_pipetx.strategy.stage_streams import process_random_states, set_process_random_states
+
 _GENERATORS = (torch.Generator, random.Random, numpy.random.Generator, numpy.random.RandomState)
 _LARGEST_CONTAINER = 32  # a dataset's sample lists and vocabularies are not searched
 
@@ -22,14 +24,11 @@ _LARGEST_CONTAINER = 32  # a dataset's sample lists and vocabularies are not sea
 @contextlib.contextmanager
 def random_state_kept(device: torch.device) -> Iterator[None]:
     """Leave torch's (the CPU's and ``device``'s), Python's and NumPy's global random streams as they were."""
-    python_state, numpy_state = random.getstate(), numpy.random.get_state()
-    on_device = device.type != "cpu"
+    states = process_random_states(device)
     try:
-        with torch.random.fork_rng(devices=[device] if on_device else [], device_type=device.type):
-            yield
+        yield
     finally:
-        random.setstate(python_state)
-        numpy.random.set_state(numpy_state)
+        set_process_random_states(states, device)
 
 
 @contextlib.contextmanager

@@ -36,22 +36,37 @@ def start_unseeded_ranks_alike(broadcast: Callable[[Any], Any], is_global_zero: 
     and on ``device``, Python's, NumPy's) to global rank 0's (``broadcast`` from it, a collective):
     a replica's stages must draw the same random augmentation, and seed their loader workers alike.
     Whether it did."""
-    backend = None if device.type == "cpu" else torch.get_device_module(device.type)
-    mine = None
-    if is_global_zero and "PL_GLOBAL_SEED" not in os.environ:
-        on_device = None if backend is None else backend.get_rng_state(device)
-        mine = (torch.get_rng_state(), random.getstate(), np.random.get_state(), on_device)
+    mine = process_random_states(device) if is_global_zero and "PL_GLOBAL_SEED" not in os.environ else None
     states = broadcast(mine)
     if states is None:
         return False
-    torch.set_rng_state(states[0])
-    random.setstate(states[1])
-    np.random.set_state(states[2])
-    if backend is not None:
-        backend.set_rng_state(states[3], device)
+    set_process_random_states(states, device)
     if is_global_zero:
         log.info("pipetx: the run is not seeded (seed_everything): every rank starts from rank 0's random states")
     return True
+
+
+def process_random_states(device: torch.device) -> tuple[Any, ...]:
+    """The process's random states: torch's on the CPU and on ``device``, Python's and NumPy's."""
+    backend = device_module(device)
+    on_device = None if backend is None else backend.get_rng_state(device)
+    return torch.get_rng_state(), on_device, random.getstate(), np.random.get_state()
+
+
+def set_process_random_states(states: tuple[Any, ...], device: torch.device) -> None:
+    """Set the states :func:`process_random_states` returned."""
+    cpu, on_device, python, numpy_state = states
+    torch.set_rng_state(cpu)
+    backend = device_module(device)
+    if backend is not None:
+        backend.set_rng_state(on_device, device)
+    random.setstate(python)
+    np.random.set_state(numpy_state)
+
+
+def device_module(device: torch.device) -> Any:
+    """torch's module that keeps ``device``'s random state (``torch.cuda``); None for the CPU."""
+    return None if device.type == "cpu" else torch.get_device_module(device.type)
 
 
 def stage_seed(base: int, stage: int, step: int) -> int:
@@ -63,7 +78,7 @@ class StageStream:
     """The CPU's and ``device``'s random states of one stage, swapped in from its first block."""
 
     def __init__(self, seed: int, device: torch.device) -> None:
-        self._backend = None if device.type == "cpu" else torch.get_device_module(device.type)
+        self._backend = device_module(device)
         self._device = device
         self._cpu = torch.Generator().manual_seed(seed).get_state()
         self._on_device = None
