@@ -13,7 +13,7 @@ import torch
 from compiled_worker import EPOCHS, CompiledRegressor
 from distributed import REPO, TESTS_DIR, run_workers
 from features_worker import Classifier
-from step_randomness_worker import train as train_with_mixup
+from step_randomness_worker import train as train_batch_changing_step
 from tiny_models import RandomVectorDataset, make_trainer
 from torch.utils.data import DataLoader, DistributedSampler
 from tuner_worker import GLOBAL_BATCH, tune_and_fit
@@ -195,11 +195,14 @@ def test_callbacks_decide_on_what_the_last_stage_saw(tmp_path):
         assert report == {"best": "epoch=2-step=6.ckpt", "epochs": 3}
 
 
-def test_randomness_a_step_draws_before_the_model_call_is_alike_on_every_stage(tmp_path):
-    # Mixup in training_step: the first stage mixes the inputs, the last the targets. Each stage drew
-    # from a random stream of its own, so the targets were mixed otherwise than the inputs.
-    run_workers("step_randomness_worker.py", 2, str(tmp_path))
-    expected = train_with_mixup(devices=1)
+@pytest.mark.parametrize("recipe", ["mixup", "in_place"])
+def test_a_step_that_changes_its_batch_before_the_model_call_trains_as_one_process(tmp_path, recipe):
+    # mixup: the first stage mixes the inputs, the last the targets. Each stage drew from a random
+    # stream of its own, so the targets were mixed otherwise than the inputs.
+    # in_place: micro-batches were views of one batch, sharing its autograd version counter, so
+    # changing the second in place failed the first's backward ("modified by an inplace operation").
+    run_workers("step_randomness_worker.py", 2, str(tmp_path), recipe)
+    expected = train_batch_changing_step(devices=1, recipe=recipe)
     for rank in range(2):
         weights = torch.load(tmp_path / f"rank{rank}.pt")
         for name, value in expected.items():

@@ -101,7 +101,9 @@ def _split(obj: Any, size: int, sizes: list[int]) -> list[Any]:
     if isinstance(obj, torch.Tensor):
         if obj.dim() == 0:
             return [obj] * n
-        return list(torch.split(obj, sizes, dim=0))
+        # Copies, not views: views of one batch share its autograd version counter, so a step that
+        # changes its micro-batch in place (timm's Mixup) would invalidate what the others saved.
+        return [part.clone() for part in torch.split(obj, sizes, dim=0)]
     if isinstance(obj, Mapping):
         parts = {k: _split(v, size, sizes) for k, v in obj.items()}
         out = []
