@@ -23,6 +23,7 @@ from recipes_cases import (
     hook_counting_module,
     mixed_precision_module,
     mixed_precision_reference,
+    reference_model_module,
     scheduled_reference,
     step_synced_metric_reference,
 )
@@ -108,6 +109,17 @@ def test_fp16_loss_scaling_agrees_across_stages(mode, tmp_path):
     tolerance = {"atol": 1e-6, "rtol": 1e-5} if pipelined else {"atol": 2e-3, "rtol": 1e-2}
     for key, value in expected["state"].items():
         torch.testing.assert_close(state[key], value, **tolerance, msg=key)
+
+
+def test_a_frozen_copy_of_the_model_that_the_loss_reads_trains_under_a_pipeline(tmp_path):
+    # A reference model (a KL term to a frozen copy's predictions) is built as the model is, as an
+    # EMA's copy is, but nothing writes it: it is not refused, and every rank reads its own whole copy.
+    run_workers("recipes_worker.py", 2, str(tmp_path), "reference_model")
+    expected = mixed_precision_reference(reference_model_module(), {}, microbatches=2)["state"]
+    state = torch.load(tmp_path / "reference_model.pt", weights_only=True)["state"]
+    assert any(key.startswith("reference.") for key in expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(state[key], value, atol=1e-6, rtol=1e-5, msg=key)
 
 
 def test_bf16_mixed_pipeline_trains_as_one_process_accumulating_its_microbatches(tmp_path):
@@ -316,7 +328,10 @@ def test_stages_reading_different_batches_is_an_error(mode, tmp_path):
         ("block_hooks", "UnsupportedRecipeError", "has a forward hook (register_forward_hook) under a pipeline"),
         ("block_hooks_inside", "UnsupportedRecipeError", "make a hook that changes its module's output (an adapter)"),
         ("weight_penalty", "UnsupportedRecipeError", "reads the blocks' weights after the model call"),
-        ("averaged_model", "WeightAveragingError", "ema is a torch AveragedModel under a 2-stage pipeline"),
+        ("averaged_model", "WeightAveragingError", "ema is an average of the model's weights (torch's AveragedModel)"),
+        ("timm_ema", "WeightAveragingError", "ema is an average of the model's weights (timm's ModelEmaV3)"),
+        # A deepcopy moved towards the model after each batch: its copies of the other stage's blocks turned NaN.
+        ("copied_ema", "WeightAveragingError", "ema.bert.encoder.layer is a copy of the model's blocks whose weights"),
         ("clamping", "RuntimeError", "writes every weight in place (an average copied into the model"),
         ("lbfgs", "UnsupportedRecipeError", "torch.optim.LBFGS under a 2-stage pipeline"),
         ("sam", "UnsupportedRecipeError", "called the closure (training_step and the backward) a second time"),

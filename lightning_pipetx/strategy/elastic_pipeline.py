@@ -64,7 +64,12 @@ from lightning_pipetx.strategy.model_checks import (
 from lightning_pipetx.strategy.options import check_arguments, check_ddp_arguments
 from lightning_pipetx.strategy.param_store import ParamStore, collective_device
 from lightning_pipetx.strategy.predictions import QuietWriters, gather_trainer_predictions, input_rows
-from lightning_pipetx.strategy.recipe_checks import check_fit_recipe, refuse_collected_outputs, refuse_repeated_closure
+from lightning_pipetx.strategy.recipe_checks import (
+    BlockCopyWatch,
+    check_fit_recipe,
+    refuse_collected_outputs,
+    refuse_repeated_closure,
+)
 from lightning_pipetx.strategy.stage_streams import start_unseeded_ranks_alike
 from lightning_pipetx.strategy.topology import Layout, Topology
 from lightning_pipetx.strategy.transition import drop_optimizer_state
@@ -212,6 +217,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._transition_seconds: float | None = None
         self.last_transition: Transition | None = None  # what the last transition did on this rank
         self._output_checks: CollectedOutputChecks | None = None
+        self._block_copies: BlockCopyWatch | None = None  # in fit, copies of the block list an EMA may write
         self._metrics = PipelineMetrics(self._running_layout)
         self._predict_rows: dict[int, list[int | None]] = {}  # per predict dataloader: each input batch's samples
         self._quiet_writers = QuietWriters()
@@ -303,6 +309,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         check_lightning_internals(trainer)
         self._last_run = ClosedRun()
+        self._block_copies = None
         self._metrics.forget_logged()
         self._loader_rebuild = LoaderRebuild(on_reload=self._cache_feed.user_reloaded)
         self._epoch_begun = None
@@ -351,6 +358,7 @@ class ElasticPipelineStrategy(DDPStrategy):
             check_fit_recipe(
                 trainer, self.optimizers, scaler, self._split.blocks, length, self.world_size, self._autocache
             )
+            self._block_copies = BlockCopyWatch(self.lightning_module, self._split.path, self._split.blocks, length)
         self.engine = self._build_engine(plan)
         self.engine.profile_steps = self.profile_steps
         drop_optimizer_state(self._split.blocks, self.optimizers, self.engine.block_range)
@@ -542,6 +550,7 @@ class ElasticPipelineStrategy(DDPStrategy):
             self._autocache.check_training_batch(batch)
         if batch_idx <= 1:  # the first step of the run, and then every epoch's
             self._require_engine().check_batches(everywhere=True)
+            self._check_block_copies()
         epoch = self.lightning_module.trainer.current_epoch
         if epoch != self._epoch_begun:  # batch 0, or the first batch of an epoch resumed mid-way
             self._epoch_begun = epoch
@@ -558,6 +567,10 @@ class ElasticPipelineStrategy(DDPStrategy):
                 for name, value in values.items():
                     log_value = float(value)
                     self.lightning_module.log(f"pipetx/{name}", log_value, on_step=False, on_epoch=True, sync_dist=True)
+
+    def _check_block_copies(self) -> None:
+        if self._block_copies is not None and self.engine is not None:
+            self._block_copies.check()
 
     def _broadcast_module_state(self) -> None:
         """Start every rank from global rank 0's weights, as DDP does when it wraps."""
@@ -662,6 +675,7 @@ class ElasticPipelineStrategy(DDPStrategy):
     def on_validation_start(self) -> None:
         trainer = self.lightning_module.trainer
         if trainer.state.fn == TrainerFn.FITTING:
+            self._check_block_copies()
             self._loader_rebuild.validation_rebuilt(trainer)
             self._require_engine().share_updated_weights()
             self._cache_feed.begin_validation(trainer.val_dataloaders, self.world_size)
@@ -801,6 +815,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         if self.engine is None:  # after the run, or where set-up stopped before it: every rank holds every block
             self._plan_after_run()  # refuses a model that a failed run left incomplete
             return self.lightning_module.state_dict()
+        self._check_block_copies()
         engine = self.engine
         if engine.profiling_done:  # a checkpoint before the first freeze keeps the measured costs for a resume
             self._take_profile(engine)

@@ -63,18 +63,78 @@ def check_fit_recipe(
 
 
 def refuse_averaged_models(module: torch.nn.Module, pipeline_length: int) -> None:
-    """Refuse, under a pipeline, a ``torch.optim.swa_utils.AveragedModel`` inside the LightningModule
-    (an EMA of the model kept as a submodule): it averages every weight, and a rank holds only its
-    stage's blocks (the others read NaN), so its averages of the other blocks would be NaN."""
+    """Refuse, under a pipeline, an EMA of the model kept inside the LightningModule: a torch
+    ``AveragedModel`` or timm's ``ModelEmaV2``/``ModelEmaV3``. It averages every weight, and a rank
+    holds only its stage's blocks (the others read NaN), so its averages of the other blocks would be NaN."""
     if pipeline_length <= 1:
         return
     for name, child in module.named_modules():
-        if isinstance(child, torch.optim.swa_utils.AveragedModel):
+        if _is_averaged_model(child):
             raise WeightAveragingError(
-                f"{name} is a torch AveragedModel under a {pipeline_length}-stage pipeline: it averages every "
-                f"weight, but each rank holds only the blocks of its stage, so its averages of the other blocks "
-                f"would be of placeholders (NaN). Pass ElasticPipelineStrategy(pipeline_length=1) (replicas only)."
+                f"{name} is an average of the model's weights ({type(child).__module__.partition('.')[0]}'s "
+                f"{type(child).__name__}) under a {pipeline_length}-stage pipeline: it averages every weight, but each rank holds only the blocks "
+                f"of its stage, so its averages of the other blocks would be of placeholders (NaN). Pass "
+                f"ElasticPipelineStrategy(pipeline_length=1) (replicas only)."
             )
+
+
+def _is_averaged_model(module: torch.nn.Module) -> bool:
+    if isinstance(module, torch.optim.swa_utils.AveragedModel):
+        return True
+    kind = type(module)
+    return kind.__module__.startswith("timm.") and kind.__name__.startswith("ModelEma")
+
+
+class BlockCopyWatch:
+    """Copies of the block list elsewhere in the LightningModule (an EMA kept as a ``deepcopy`` of
+    the model, a frozen reference model), watched under a pipeline. A rank holds only its stage's
+    blocks, the others read NaN: a copy whose weights turn NaN was written from them (an average of
+    every weight), and is refused before a checkpoint keeps it. A reference model is never written."""
+
+    def __init__(self, module: torch.nn.Module, path: str, blocks: torch.nn.Module, pipeline_length: int) -> None:
+        self._pipeline_length = pipeline_length
+        self._probes: list[tuple[str, torch.Tensor]] = []  # per copied block, its smallest weight
+        if pipeline_length > 1:
+            for name, copy in _block_list_copies(module, path, blocks):
+                for index, block in enumerate(copy.children()):
+                    weights = list(block.parameters())
+                    if weights:
+                        self._probes.append((f"{name}.{index}", min(weights, key=torch.Tensor.numel)))
+
+    def check(self) -> None:
+        """Raise :class:`WeightAveragingError` where a copy holds NaN (one host read, where there are copies)."""
+        if not self._probes:
+            return
+        finite = torch.stack([torch.isfinite(weight.detach()).all().to(weight.device) for _, weight in self._probes])
+        if bool(finite.all()):
+            return
+        name = self._probes[int((~finite).nonzero()[0])][0].rpartition(".")[0]
+        raise WeightAveragingError(
+            f"{name} is a copy of the model's blocks whose weights turned NaN under a {self._pipeline_length}-stage "
+            f"pipeline: code that copies or averages the model's weights into it (an EMA updated from the model) "
+            f"reads every block, but each rank holds only the blocks of its stage, and the others are placeholders "
+            f"that read NaN. Pass ElasticPipelineStrategy(pipeline_length=1) (replicas only)."
+        )
+
+
+def _block_list_copies(
+    module: torch.nn.Module, path: str, blocks: torch.nn.Module
+) -> list[tuple[str, torch.nn.Module]]:
+    """Modules of ``module`` outside the block list at ``path`` built as it is: the same type, and
+    block for block the same type and weight shapes."""
+    shape = _structure(blocks)
+    return [
+        (name, child)
+        for name, child in module.named_modules()
+        if child is not blocks
+        and not name.startswith(path + ".")
+        and type(child) is type(blocks)
+        and _structure(child) == shape
+    ]
+
+
+def _structure(blocks: torch.nn.Module) -> list[tuple[type, list[tuple[int, ...]]]]:
+    return [(type(block), [tuple(w.shape) for w in block.parameters()]) for block in blocks.children()]
 
 
 def refuse_whole_model_optimizers(optimizers: list[torch.optim.Optimizer], pipeline_length: int) -> None:

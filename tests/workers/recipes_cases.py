@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import lightning.pytorch as pl
@@ -496,6 +497,52 @@ def averaged_model_module() -> pl.LightningModule:
         module.ema.update_parameters(module.model)
 
     module.on_train_batch_end = on_train_batch_end
+    return module
+
+
+def timm_ema_module() -> pl.LightningModule:
+    """A tiny BERT that keeps an exponential moving average of itself as timm's ModelEmaV3."""
+    from timm.utils import ModelEmaV3
+
+    module = build_case_module({"model": "bert", "lr": 1e-3})
+    module.ema = ModelEmaV3(module.model, decay=0.9)
+
+    def on_train_batch_end(outputs, batch, batch_idx):
+        module.ema.update(module.model, step=module.global_step)
+
+    module.on_train_batch_end = on_train_batch_end
+    return module
+
+
+def copied_ema_module() -> pl.LightningModule:
+    """A tiny BERT that keeps an exponential moving average of itself by hand: a deepcopy of the
+    model, moved towards its weights after each batch."""
+    module = build_case_module({"model": "bert", "lr": 1e-3})
+    module.ema = copy.deepcopy(module.model).requires_grad_(False)
+
+    def on_train_batch_end(outputs, batch, batch_idx):
+        with torch.no_grad():
+            for average, weight in zip(module.ema.parameters(), module.model.parameters()):
+                average.lerp_(weight, 0.1)
+
+    module.on_train_batch_end = on_train_batch_end
+    return module
+
+
+def reference_model_module() -> pl.LightningModule:
+    """A tiny BERT whose loss keeps it close to a frozen copy of itself (a KL term to the copy's
+    predictions, as a fine-tune against a reference model): the copy is read, never written."""
+    module = build_case_module({"model": "bert", "lr": 1e-3})
+    module.reference = copy.deepcopy(module.model).requires_grad_(False)
+
+    def training_step(batch, batch_idx):
+        out = module.model(**batch)
+        with torch.no_grad():
+            reference = module.reference(**batch).logits.log_softmax(-1)
+        kl = torch.nn.functional.kl_div(out.logits.log_softmax(-1), reference, log_target=True, reduction="batchmean")
+        return out.loss + 0.1 * kl
+
+    module.training_step = training_step
     return module
 
 

@@ -1,7 +1,7 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
 rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | averaged_model | clamping | hooks_profiled | fp16 | bf16 | occasional_head | occasional_head_in_window | skipped_block | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped) [resume CKPT]
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | averaged_model | timm_ema | copied_ema | reference_model | clamping | hooks_profiled | fp16 | bf16 | occasional_head | occasional_head_in_window | skipped_block | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped) [resume CKPT]
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do), and
 "own_sampler" turns Lightning's distributed sampler off (the loader shuffles), each from random
@@ -27,6 +27,7 @@ from recipes_cases import (
     averaged_model_module,
     block_hooks_module,
     clamping_module,
+    copied_ema_module,
     deberta_conv_module,
     epoch_metrics_module,
     fp16_module,
@@ -41,6 +42,7 @@ from recipes_cases import (
     plateau_module,
     popping_module,
     random_masking,
+    reference_model_module,
     sam_module,
     scheduled_module,
     shared_list_module,
@@ -49,6 +51,7 @@ from recipes_cases import (
     step_synced_metric_module,
     summed_count_module,
     timm_checkpointing_module,
+    timm_ema_module,
     train_loader,
     two_calls_module,
     weight_penalty_module,
@@ -155,6 +158,9 @@ def main() -> None:
         "block_hooks_inside": lambda: block_hooks_module(inside=True),
         "weight_penalty": weight_penalty_module,
         "averaged_model": averaged_model_module,
+        "timm_ema": timm_ema_module,
+        "copied_ema": copied_ema_module,
+        "reference_model": reference_model_module,
         "clamping": clamping_module,
         "lbfgs": lbfgs_module,
         "sam": sam_module,
@@ -192,6 +198,8 @@ def main() -> None:
             "block_hooks_inside",
             "weight_penalty",
             "averaged_model",
+            "timm_ema",
+            "copied_ema",
             "clamping",
             "lbfgs",
             "sam",
