@@ -204,6 +204,17 @@ def test_a_step_that_changes_its_batch_before_the_model_call_trains_as_one_proce
     run_workers("step_randomness_worker.py", 2, str(tmp_path), recipe)
     expected = train_batch_changing_step(devices=1, recipe=recipe)
     for rank in range(2):
-        weights = torch.load(tmp_path / f"rank{rank}.pt")
+        weights = torch.load(tmp_path / f"rank{rank}.pt")["state"]
         for name, value in expected.items():
             torch.testing.assert_close(weights[name], value, rtol=0, atol=1e-6, msg=f"rank {rank}: {name}")
+
+
+def test_python_and_numpy_draws_after_the_model_call_keep_the_stages_reading_the_same_batches(tmp_path):
+    # Only the last stage runs the step after the model call: its draws from Python's and NumPy's
+    # random advanced its process's streams alone, so the data set's noise, drawn in the main
+    # process, differed between the stages (BatchMismatchError). They come from the stage's streams.
+    run_workers("step_randomness_worker.py", 2, str(tmp_path), "draws_after_call")
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    assert ranks[0]["drawn"] == ranks[1]["drawn"]
+    for name, value in ranks[0]["state"].items():
+        assert torch.equal(ranks[1]["state"][name], value), name

@@ -5,9 +5,10 @@ rank global rank 0's random states: :func:`start_unseeded_ranks_alike`). Under a
 each stage draws dropout and drop-path masks for its own blocks, and stages that draw alike (GPT-2's
 stage 1 runs the embeddings' dropout and then two blocks, as stage 0 does) would draw the same
 masks: block 2 would drop what block 0 dropped, for every micro-batch. :class:`StageStream` gives
-stage ``s``, from its first block to the end of each micro-batch's forward, a stream seeded from
-the run's seed, ``s`` and the step the layout began at, and leaves the process's own streams as
-they were. What a step draws before the stage's first block (Mixup, masking tokens, the
+stage ``s``, from its first block to the end of each micro-batch's forward, streams (torch's,
+Python's, NumPy's) seeded from the run's seed, ``s`` and the step the layout began at, and leaves
+the process's own streams as they were: what the last stage alone runs after the model call draws
+from them too. What a step draws before the stage's first block (Mixup, masking tokens, the
 embeddings' dropout) comes from the process's streams, which every stage of a replica runs alike:
 the first stage's inputs and the last stage's targets are mixed alike. What the loaders and
 callbacks draw stays alike on every rank. Replicas of a stage draw alike, as DDP's replicas do;
@@ -75,34 +76,39 @@ def stage_seed(base: int, stage: int, step: int) -> int:
 
 
 class StageStream:
-    """The CPU's and ``device``'s random states of one stage, swapped in from its first block."""
+    """One stage's random states (torch's on the CPU and ``device``, Python's, NumPy's), swapped
+    in from its first block."""
 
     def __init__(self, seed: int, device: torch.device) -> None:
         self._backend = device_module(device)
         self._device = device
-        self._cpu = torch.Generator().manual_seed(seed).get_state()
-        self._on_device = None
+        on_device = None
         if self._backend is not None:  # seeded as the process's own, then put back: one state format
-            on_device = getattr(self._backend, "device", None)  # a context that makes ``device`` current
-            with contextlib.nullcontext() if on_device is None else on_device(device):
+            current = getattr(self._backend, "device", None)  # a context that makes ``device`` current
+            with contextlib.nullcontext() if current is None else current(device):
                 saved = self._backend.get_rng_state(device)
                 self._backend.manual_seed(seed)  # seeds the current device
-                self._on_device = self._backend.get_rng_state(device)
+                on_device = self._backend.get_rng_state(device)
                 self._backend.set_rng_state(saved, device)
+        self._states = (
+            torch.Generator().manual_seed(seed).get_state(),
+            on_device,
+            random.Random(seed).getstate(),
+            np.random.RandomState(seed % 2**32).get_state(),
+        )
 
     @contextlib.contextmanager
     def from_first_block(self, arm: Callable[[Callable[[], None] | None], None]) -> Iterator[None]:
         """Inside, draw from the process's streams until ``arm``'s callback runs (the stage's first
         block, through :class:`~lightning_pipetx.strategy.stage_hooks.StageHooks`), from this
-        stage's stream after it; the process's streams continue where they were left."""
-        saved: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        stage's streams after it (the last stage's code after the model call too); the process's
+        streams continue where they were left."""
+        saved: list[tuple[Any, ...]] = []
 
         def enter() -> None:
             if not saved:
-                saved.append((torch.get_rng_state(), self._device_state()))
-                torch.set_rng_state(self._cpu)
-                if self._backend is not None:
-                    self._backend.set_rng_state(self._on_device, self._device)
+                saved.append(process_random_states(self._device))
+                set_process_random_states(self._states, self._device)
 
         arm(enter)
         try:
@@ -110,10 +116,5 @@ class StageStream:
         finally:
             arm(None)
             if saved:
-                self._cpu, self._on_device = torch.get_rng_state(), self._device_state()
-                torch.set_rng_state(saved[0][0])
-                if self._backend is not None:
-                    self._backend.set_rng_state(saved[0][1], self._device)
-
-    def _device_state(self) -> torch.Tensor | None:
-        return None if self._backend is None else self._backend.get_rng_state(self._device)
+                self._states = process_random_states(self._device)
+                set_process_random_states(saved[0], self._device)

@@ -3,17 +3,22 @@
 ``mixup``: Mixup drawn in ``training_step``: the first stage mixes the inputs and the last stage
 the targets, so both must draw the same mixing (one micro-batch). ``in_place``: the step scales its
 inputs in place (as timm's Mixup mixes), 2 micro-batches under GPipe: one micro-batch's change must
-not touch what another's forward saved for its backward.
+not touch what another's forward saved for its backward. ``draws_after_call``: the step draws from
+Python's and NumPy's random after the model call (which only the last stage runs), and the data set
+adds Python and NumPy noise in the main process: both stages must still read the same batches.
 
 Usage: torchrun --nproc_per_node=2 step_randomness_worker.py OUT_DIR RECIPE
-Every rank writes OUT_DIR/rank<N>.pt: the final weights. :func:`train` is also the one-process
-reference (devices=1), on the same global batches.
+Every rank writes OUT_DIR/rank<N>.pt: the final weights, and a number drawn from Python's and from
+NumPy's random after fit. :func:`train` is also the one-process reference (devices=1), on the same
+global batches.
 """
 
 import os
+import random
 import sys
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from tiny_models import RandomVectorDataset, TinySequentialRegressor, make_trainer
 from torch.utils.data import DataLoader, DistributedSampler
@@ -41,14 +46,36 @@ class InPlaceScaledRegressor(TinySequentialRegressor):
         return torch.nn.functional.mse_loss(self(x), y)
 
 
-RECIPES = {"mixup": (MixupRegressor, 1), "in_place": (InPlaceScaledRegressor, 2)}  # module, micro-batches
+class DrawingAfterCallRegressor(TinySequentialRegressor):
+    """Draws from Python's and NumPy's random after the model call (to sample what it logs, say)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        random.random(), np.random.rand()
+        return loss
+
+
+class NoisyVectors(RandomVectorDataset):
+    """Inputs with Python and NumPy noise added as they are read (in the main process)."""
+
+    def __getitem__(self, index):
+        x, y = super().__getitem__(index)
+        return x + 0.01 * (random.random() + float(np.random.rand())), y
+
+
+RECIPES = {  # module, micro-batches
+    "mixup": (MixupRegressor, 1),
+    "in_place": (InPlaceScaledRegressor, 2),
+    "draws_after_call": (DrawingAfterCallRegressor, 1),
+}
 
 
 def train(devices: int, recipe: str) -> dict[str, torch.Tensor]:
     """The weights after 2 epochs of 4 global batches of 8 (one process: DistributedSampler's order)."""
     module_class, num_microbatches = RECIPES[recipe]
     pl.seed_everything(0)
-    dataset = RandomVectorDataset(size=32)
+    dataset = NoisyVectors(size=32) if recipe == "draws_after_call" else RandomVectorDataset(size=32)
     if devices == 1:
         loader = DataLoader(dataset, batch_size=8, sampler=DistributedSampler(dataset, num_replicas=1, rank=0, seed=0))
         strategy = "auto"
@@ -63,7 +90,9 @@ def train(devices: int, recipe: str) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    torch.save(train(devices=2, recipe=sys.argv[2]), os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.pt"))
+    state = train(devices=2, recipe=sys.argv[2])
+    drawn = {"python": random.random(), "numpy": float(np.random.rand())}
+    torch.save({"state": state, "drawn": drawn}, os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.pt"))
 
 
 if __name__ == "__main__":
