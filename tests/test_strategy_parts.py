@@ -19,6 +19,7 @@ from transformers import BatchEncoding
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback, Layout, find_blocks
 from lightning_pipetx.strategy.autopipe import AutoPipe
+from lightning_pipetx.strategy.failure import explain_training_outputs
 from lightning_pipetx.strategy.log_replay import LogRecorder
 from lightning_pipetx.strategy.metric_sync import LastStageSync
 from lightning_pipetx.strategy.microbatch import BatchSplitError, chunk, join_outputs, split_batch, take
@@ -750,3 +751,26 @@ def test_numpy_integers_are_whole_numbers_for_the_strategy():
 
     strategy = ElasticPipelineStrategy(pipeline_length=np.int64(2), num_microbatches=np.int64(4))
     assert (strategy.pipeline_length, strategy.num_microbatches) == (2, 4)
+
+
+def _raised(action) -> Exception:
+    try:
+        action()
+    except Exception as error:
+        return error
+    raise AssertionError("nothing was raised")
+
+
+def test_a_first_stage_s_error_is_explained_by_collected_outputs_unless_a_backward_raised_it():
+    # The note (values collected after the model call stay empty off the last stage) is about the
+    # user's code; an error of autograd's (a saved tensor changed in place) is not explained by it.
+    user_error = _raised(lambda: [][0])
+    x = torch.ones(3, requires_grad=True)
+    y = x.exp()
+    y.mul_(2)  # exp saved its output for the backward
+    backward_error = _raised(lambda: y.sum().backward())
+    explain_training_outputs(user_error, stage=0, num_stages=2)
+    explain_training_outputs(backward_error, stage=0, num_stages=2)
+    assert "stay empty on this rank" in " ".join(getattr(user_error, "__notes__", []))
+    assert "modified by an inplace operation" in str(backward_error)
+    assert not getattr(backward_error, "__notes__", [])

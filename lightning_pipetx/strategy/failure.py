@@ -189,14 +189,22 @@ def _stopped_state(engine: PipelineEngine, moving: bool) -> int:
 
 def _raised_in_communication(exception: BaseException) -> bool:
     """Whether the innermost frame of the traceback is in torch.distributed or this package."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return _raised_in(exception, os.path.dirname(os.path.abspath(dist.__file__)), package)
+
+
+def _raised_in_backward(exception: BaseException) -> bool:
+    """Whether the innermost frame of the traceback is torch.autograd's (a backward's error)."""
+    return _raised_in(exception, os.path.dirname(os.path.abspath(torch.autograd.__file__)))
+
+
+def _raised_in(exception: BaseException, *directories: str) -> bool:
     tb = exception.__traceback__
     if tb is None:
         return False
     while tb.tb_next is not None:
         tb = tb.tb_next
-    filename = os.path.abspath(tb.tb_frame.f_code.co_filename)
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return filename.startswith((os.path.dirname(os.path.abspath(dist.__file__)), package))
+    return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(directories)
 
 
 PLACEHOLDER_WRITE = "more than one element of the written-to tensor refers to a single memory location"
@@ -227,7 +235,7 @@ def _add_note(exception: BaseException, note: str) -> None:
 def explain_training_outputs(exception: BaseException, stage: int, num_stages: int) -> None:
     """Attach to an exception raised on a non-last stage during training the likely cause:
     code that reads what ``training_step`` collected after its model call."""
-    if not isinstance(exception, Exception) or _raised_in_communication(exception):
+    if not isinstance(exception, Exception) or _raised_in_communication(exception) or _raised_in_backward(exception):
         return
     note = (
         f"pipetx: this rank runs stage {stage} of a {num_stages}-stage pipeline. In training_step, the code after "
