@@ -209,11 +209,13 @@ def test_a_step_that_changes_its_batch_before_the_model_call_trains_as_one_proce
             torch.testing.assert_close(weights[name], value, rtol=0, atol=1e-6, msg=f"rank {rank}: {name}")
 
 
-def test_python_and_numpy_draws_after_the_model_call_keep_the_stages_reading_the_same_batches(tmp_path):
+@pytest.mark.parametrize("recipe", ["draws_after_call", "draws_after_call_pcg64"])
+def test_python_and_numpy_draws_after_the_model_call_keep_the_stages_reading_the_same_batches(tmp_path, recipe):
     # Only the last stage runs the step after the model call: its draws from Python's and NumPy's
     # random advanced its process's streams alone, so the data set's noise, drawn in the main
-    # process, differed between the stages (BatchMismatchError). They come from the stage's streams.
-    run_workers("step_randomness_worker.py", 2, str(tmp_path), "draws_after_call")
+    # process, differed between the stages (BatchMismatchError). They come from the stage's streams,
+    # NumPy's in the format of its global bit generator (pcg64: MT19937's state was refused).
+    run_workers("step_randomness_worker.py", 2, str(tmp_path), recipe)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     assert ranks[0]["drawn"] == ranks[1]["drawn"]
     for name, value in ranks[0]["state"].items():

@@ -114,7 +114,7 @@ class PipelineEngine:
             return None
         if self._stream is None:
             seed = stage_seed(torch.initial_seed(), self.topology.stage, self.module.trainer.global_step)
-            self._stream = StageStream(seed, self.device)
+            self._stream = StageStream(seed, self.device, host_streams=self.topology.is_last_stage)
         return self._stream
 
     def _drawing_from_first_block(

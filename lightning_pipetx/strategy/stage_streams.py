@@ -5,12 +5,13 @@ rank global rank 0's random states: :func:`start_unseeded_ranks_alike`). Under a
 each stage draws dropout and drop-path masks for its own blocks, and stages that draw alike (GPT-2's
 stage 1 runs the embeddings' dropout and then two blocks, as stage 0 does) would draw the same
 masks: block 2 would drop what block 0 dropped, for every micro-batch. :class:`StageStream` gives
-stage ``s``, from its first block to the end of each micro-batch's forward, streams (torch's,
-Python's, NumPy's) seeded from the run's seed, ``s`` and the step the layout began at, and leaves
-the process's own streams as they were: what the last stage alone runs after the model call draws
-from them too. What a step draws before the stage's first block (Mixup, masking tokens, the
-embeddings' dropout) comes from the process's streams, which every stage of a replica runs alike:
-the first stage's inputs and the last stage's targets are mixed alike. What the loaders and
+stage ``s``, from its first block to the end of each micro-batch's forward, torch's streams
+seeded from the run's seed, ``s`` and the step the layout began at, and leaves the process's own
+streams as they were. The last stage alone runs the step's code after the model call: it swaps in
+Python's and NumPy's streams of its own too, so that draws there leave the process's alike. What
+a step draws before the stage's first block (Mixup, masking tokens, the embeddings' dropout) comes
+from the process's streams, which every stage of a replica runs alike: the first stage's inputs
+and the last stage's targets are mixed alike. What the loaders and
 callbacks draw stays alike on every rank. Replicas of a stage draw alike, as DDP's replicas do;
 one stage (1xN) keeps the process's streams, so 1xN draws what DDP draws.
 """
@@ -51,7 +52,7 @@ def process_random_states(device: torch.device) -> tuple[Any, ...]:
     """The process's random states: torch's on the CPU and on ``device``, Python's and NumPy's."""
     backend = device_module(device)
     on_device = None if backend is None else backend.get_rng_state(device)
-    return torch.get_rng_state(), on_device, random.getstate(), np.random.get_state()
+    return torch.get_rng_state(), on_device, random.getstate(), np.random.get_state(legacy=False)
 
 
 def set_process_random_states(states: tuple[Any, ...], device: torch.device) -> None:
@@ -76,12 +77,14 @@ def stage_seed(base: int, stage: int, step: int) -> int:
 
 
 class StageStream:
-    """One stage's random states (torch's on the CPU and ``device``, Python's, NumPy's), swapped
-    in from its first block."""
+    """One stage's random states, swapped in from its first block: torch's on the CPU and
+    ``device``; on the last stage (``host_streams``), where the step's code after the model call
+    runs, Python's and NumPy's too."""
 
-    def __init__(self, seed: int, device: torch.device) -> None:
+    def __init__(self, seed: int, device: torch.device, host_streams: bool) -> None:
         self._backend = device_module(device)
         self._device = device
+        self._host_streams = host_streams
         on_device = None
         if self._backend is not None:  # seeded as the process's own, then put back: one state format
             current = getattr(self._backend, "device", None)  # a context that makes ``device`` current
@@ -90,25 +93,21 @@ class StageStream:
                 self._backend.manual_seed(seed)  # seeds the current device
                 on_device = self._backend.get_rng_state(device)
                 self._backend.set_rng_state(saved, device)
-        self._states = (
-            torch.Generator().manual_seed(seed).get_state(),
-            on_device,
-            random.Random(seed).getstate(),
-            np.random.RandomState(seed % 2**32).get_state(),
-        )
+        self._states: tuple[Any, ...] = (torch.Generator().manual_seed(seed).get_state(), on_device)
+        if host_streams:  # NumPy's in the format of the bit generator its global functions use
+            numpy_state = np.random.RandomState(type(np.random.get_bit_generator())(seed)).get_state(legacy=False)
+            self._states += (random.Random(seed).getstate(), numpy_state)
 
     @contextlib.contextmanager
     def from_first_block(self, arm: Callable[[Callable[[], None] | None], None]) -> Iterator[None]:
         """Inside, draw from the process's streams until ``arm``'s callback runs (the stage's first
         block, through :class:`~lightning_pipetx.strategy.stage_hooks.StageHooks`), from this
-        stage's streams after it (the last stage's code after the model call too); the process's
-        streams continue where they were left."""
+        stage's streams after it; the process's streams continue where they were left."""
         saved: list[tuple[Any, ...]] = []
 
         def enter() -> None:
             if not saved:
-                saved.append(process_random_states(self._device))
-                set_process_random_states(self._states, self._device)
+                saved.append(self._swap(self._states))
 
         arm(enter)
         try:
@@ -116,5 +115,17 @@ class StageStream:
         finally:
             arm(None)
             if saved:
-                self._states = process_random_states(self._device)
-                set_process_random_states(saved[0], self._device)
+                self._states = self._swap(saved[0])
+
+    def _swap(self, states: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Set ``states``; return those they replaced."""
+        if self._host_streams:
+            replaced = process_random_states(self._device)
+            set_process_random_states(states, self._device)
+            return replaced
+        on_device = None if self._backend is None else self._backend.get_rng_state(self._device)
+        replaced = (torch.get_rng_state(), on_device)
+        torch.set_rng_state(states[0])
+        if self._backend is not None:
+            self._backend.set_rng_state(states[1], self._device)
+        return replaced

@@ -5,7 +5,8 @@ the targets, so both must draw the same mixing (one micro-batch). ``in_place``: 
 inputs in place (as timm's Mixup mixes), 2 micro-batches under GPipe: one micro-batch's change must
 not touch what another's forward saved for its backward. ``draws_after_call``: the step draws from
 Python's and NumPy's random after the model call (which only the last stage runs), and the data set
-adds Python and NumPy noise in the main process: both stages must still read the same batches.
+adds Python and NumPy noise in the main process: both stages must still read the same batches
+(``draws_after_call_pcg64``: with NumPy's global functions on a PCG64 bit generator).
 
 Usage: torchrun --nproc_per_node=2 step_randomness_worker.py OUT_DIR RECIPE
 Every rank writes OUT_DIR/rank<N>.pt: the final weights, and a number drawn from Python's and from
@@ -68,14 +69,17 @@ RECIPES = {  # module, micro-batches
     "mixup": (MixupRegressor, 1),
     "in_place": (InPlaceScaledRegressor, 2),
     "draws_after_call": (DrawingAfterCallRegressor, 1),
+    "draws_after_call_pcg64": (DrawingAfterCallRegressor, 1),
 }
 
 
 def train(devices: int, recipe: str) -> dict[str, torch.Tensor]:
     """The weights after 2 epochs of 4 global batches of 8 (one process: DistributedSampler's order)."""
     module_class, num_microbatches = RECIPES[recipe]
+    if recipe.endswith("_pcg64"):
+        np.random.set_bit_generator(np.random.PCG64(0))
     pl.seed_everything(0)
-    dataset = NoisyVectors(size=32) if recipe == "draws_after_call" else RandomVectorDataset(size=32)
+    dataset = NoisyVectors(size=32) if recipe.startswith("draws_after_call") else RandomVectorDataset(size=32)
     if devices == 1:
         loader = DataLoader(dataset, batch_size=8, sampler=DistributedSampler(dataset, num_replicas=1, rank=0, seed=0))
         strategy = "auto"
