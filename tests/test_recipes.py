@@ -332,6 +332,8 @@ def test_stages_reading_different_batches_is_an_error(mode, tmp_path):
         ("timm_ema", "WeightAveragingError", "ema is an average of the model's weights (timm's ModelEmaV3)"),
         # A deepcopy moved towards the model after each batch: its copies of the other stage's blocks turned NaN.
         ("copied_ema", "WeightAveragingError", "ema.bert.encoder.layer is a copy of the model's blocks whose weights"),
+        # The same from the last step on: found as fit ends.
+        ("late_copied_ema", "WeightAveragingError", "ema.bert.encoder.layer is a copy of the model's blocks"),
         ("clamping", "RuntimeError", "writes every weight in place (an average copied into the model"),
         ("lbfgs", "UnsupportedRecipeError", "torch.optim.LBFGS under a 2-stage pipeline"),
         ("sam", "UnsupportedRecipeError", "called the closure (training_step and the backward) a second time"),

@@ -26,6 +26,7 @@ from lightning_pipetx.strategy.microbatch import BatchSplitError, chunk, join_ou
 from lightning_pipetx.strategy.param_store import ParamStore
 from lightning_pipetx.strategy.partition import partition, stage_costs
 from lightning_pipetx.strategy.predictions import merge_shards
+from lightning_pipetx.strategy.recipe_checks import BlockCopyWatch, WeightAveragingError, copy_roots
 from lightning_pipetx.strategy.stage_runner import schedule_actions
 
 
@@ -774,3 +775,29 @@ def test_a_first_stage_s_error_is_explained_by_collected_outputs_unless_a_backwa
     assert "stay empty on this rank" in " ".join(getattr(user_error, "__notes__", []))
     assert "modified by an inplace operation" in str(backward_error)
     assert not getattr(backward_error, "__notes__", [])
+
+
+class _KeepsAnAverage(pl.Callback):
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.average = copy.deepcopy(model)
+
+
+def test_copies_of_the_block_list_are_watched_in_the_module_and_in_callbacks_and_aliases_are_not():
+    # A second list of the same block objects (for layer-wise learning rates) is no copy: its blocks
+    # are the model's own, which read NaN on the ranks that do not hold them.
+    module = build_task("bert")
+    blocks = find_blocks(module).blocks
+    module.layers = torch.nn.ModuleList(list(blocks))
+    module.reference = copy.deepcopy(module.model)
+    callback = _KeepsAnAverage(module.model)
+    watch = BlockCopyWatch(copy_roots(module, [callback]), blocks, pipeline_length=2)
+    with torch.no_grad():
+        for param in blocks.parameters():
+            param.fill_(float("nan"))  # as another stage's blocks read
+    watch.check()
+    with torch.no_grad():
+        for param in callback.average.bert.encoder.layer[1].parameters():  # an average of NaN
+            param.fill_(float("nan"))
+    with pytest.raises(WeightAveragingError, match=r"_KeepsAnAverage.average.bert.encoder.layer is a copy"):
+        watch.check()
+    BlockCopyWatch(copy_roots(module, [callback]), blocks, pipeline_length=1).check()  # replicas hold every block

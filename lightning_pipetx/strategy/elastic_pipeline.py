@@ -67,6 +67,7 @@ from lightning_pipetx.strategy.predictions import QuietWriters, gather_trainer_p
 from lightning_pipetx.strategy.recipe_checks import (
     BlockCopyWatch,
     check_fit_recipe,
+    copy_roots,
     refuse_collected_outputs,
     refuse_repeated_closure,
 )
@@ -358,7 +359,8 @@ class ElasticPipelineStrategy(DDPStrategy):
             check_fit_recipe(
                 trainer, self.optimizers, scaler, self._split.blocks, length, self.world_size, self._autocache
             )
-            self._block_copies = BlockCopyWatch(self.lightning_module, self._split.path, self._split.blocks, length)
+            roots = copy_roots(self.lightning_module, trainer.callbacks)
+            self._block_copies = BlockCopyWatch(roots, self._split.blocks, length)
         self.engine = self._build_engine(plan)
         self.engine.profile_steps = self.profile_steps
         drop_optimizer_state(self._split.blocks, self.optimizers, self.engine.block_range)
@@ -569,7 +571,8 @@ class ElasticPipelineStrategy(DDPStrategy):
                     self.lightning_module.log(f"pipetx/{name}", log_value, on_step=False, on_epoch=True, sync_dist=True)
 
     def _check_block_copies(self) -> None:
-        if self._block_copies is not None and self.engine is not None:
+        """In fit and after it (a copy written in the last steps): not after a run stopped on an error."""
+        if self._block_copies is not None and not self._last_run.failed:
             self._block_copies.check()
 
     def _broadcast_module_state(self) -> None:
@@ -671,6 +674,7 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def on_train_end(self) -> None:
         self._require_engine().check_batches(everywhere=True)
+        self._check_block_copies()
 
     def on_validation_start(self) -> None:
         trainer = self.lightning_module.trainer
@@ -810,12 +814,14 @@ class ElasticPipelineStrategy(DDPStrategy):
         """The plain module's ``state_dict``, with every block gathered on global rank 0 (which writes
         it); on the other ranks the blocks of other stages read NaN."""
         self._take_back_lent_blocks()
-        if self.engine is not None and self.lightning_module.trainer.state.status == TrainerStatus.INTERRUPTED:
+        interrupted = self.lightning_module.trainer.state.status == TrainerStatus.INTERRUPTED
+        if self.engine is not None and interrupted:
             self._stop_before_checkpoint()
+        if not interrupted:  # a checkpoint as the run stops on an exception keeps what it can
+            self._check_block_copies()
         if self.engine is None:  # after the run, or where set-up stopped before it: every rank holds every block
             self._plan_after_run()  # refuses a model that a failed run left incomplete
             return self.lightning_module.state_dict()
-        self._check_block_copies()
         engine = self.engine
         if engine.profiling_done:  # a checkpoint before the first freeze keeps the measured costs for a resume
             self._take_profile(engine)

@@ -86,29 +86,37 @@ def _is_averaged_model(module: torch.nn.Module) -> bool:
 
 
 class BlockCopyWatch:
-    """Copies of the block list elsewhere in the LightningModule (an EMA kept as a ``deepcopy`` of
-    the model, a frozen reference model), watched under a pipeline. A rank holds only its stage's
-    blocks, the others read NaN: a copy whose weights turn NaN was written from them (an average of
-    every weight), and is refused before a checkpoint keeps it. A reference model is never written."""
+    """Copies of the block list kept beside the model (an EMA kept as a ``deepcopy`` of it, in the
+    LightningModule or in a callback; a frozen reference model), watched under a pipeline. A rank
+    holds only its stage's blocks, the others read NaN: a copy whose weights turn NaN was written
+    from them (an average of every weight), and is refused before a checkpoint keeps it. A
+    reference model is never written."""
 
-    def __init__(self, module: torch.nn.Module, path: str, blocks: torch.nn.Module, pipeline_length: int) -> None:
+    def __init__(self, roots: list[tuple[str, torch.nn.Module]], blocks: torch.nn.Module, pipeline_length: int) -> None:
         self._pipeline_length = pipeline_length
         self._probes: list[tuple[str, torch.Tensor]] = []  # per copied block, its smallest weight
         if pipeline_length > 1:
-            for name, copy in _block_list_copies(module, path, blocks):
+            for name, copy in _block_list_copies(roots, blocks):
                 for index, block in enumerate(copy.children()):
                     weights = list(block.parameters())
                     if weights:
                         self._probes.append((f"{name}.{index}", min(weights, key=torch.Tensor.numel)))
 
     def check(self) -> None:
-        """Raise :class:`WeightAveragingError` where a copy holds NaN (one host read, where there are copies)."""
-        if not self._probes:
+        """Raise :class:`WeightAveragingError` where a copy holds NaN (one host read per device the
+        copies are on, where there are copies)."""
+        by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+        for name, weight in self._probes:
+            by_device.setdefault(weight.device, []).append((name, torch.isfinite(weight.detach()).all()))
+        turned = [
+            name
+            for probes in by_device.values()
+            for (name, _), finite in zip(probes, torch.stack([flag for _, flag in probes]).tolist())
+            if not finite
+        ]
+        if not turned:
             return
-        finite = torch.stack([torch.isfinite(weight.detach()).all().to(weight.device) for _, weight in self._probes])
-        if bool(finite.all()):
-            return
-        name = self._probes[int((~finite).nonzero()[0])][0].rpartition(".")[0]
+        name = turned[0].rpartition(".")[0]
         raise WeightAveragingError(
             f"{name} is a copy of the model's blocks whose weights turned NaN under a {self._pipeline_length}-stage "
             f"pipeline: code that copies or averages the model's weights into it (an EMA updated from the model) "
@@ -117,20 +125,32 @@ class BlockCopyWatch:
         )
 
 
+def copy_roots(module: torch.nn.Module, callbacks: list[pl.Callback]) -> list[tuple[str, torch.nn.Module]]:
+    """Where copies of the block list may be kept: the LightningModule, and modules held by callbacks."""
+    roots = [("", module)]
+    for callback in callbacks:
+        for attribute, value in vars(callback).items():
+            if isinstance(value, torch.nn.Module) and value is not module:
+                roots.append((f"{type(callback).__name__}.{attribute}", value))
+    return roots
+
+
 def _block_list_copies(
-    module: torch.nn.Module, path: str, blocks: torch.nn.Module
+    roots: list[tuple[str, torch.nn.Module]], blocks: torch.nn.Module
 ) -> list[tuple[str, torch.nn.Module]]:
-    """Modules of ``module`` outside the block list at ``path`` built as it is: the same type, and
-    block for block the same type and weight shapes."""
-    shape = _structure(blocks)
-    return [
-        (name, child)
-        for name, child in module.named_modules()
-        if child is not blocks
-        and not name.startswith(path + ".")
-        and type(child) is type(blocks)
-        and _structure(child) == shape
-    ]
+    """Modules under ``roots`` built as the block list is, holding none of its blocks: the same
+    type, and block for block the same type and weight shapes."""
+    shape, own = _structure(blocks), {id(block) for block in blocks.children()}
+    copies = []
+    for prefix, root in roots:
+        for name, child in root.named_modules(prefix=prefix):
+            if (
+                type(child) is type(blocks)
+                and not own & {id(block) for block in child.children()}
+                and _structure(child) == shape
+            ):
+                copies.append((name, child))
+    return copies
 
 
 def _structure(blocks: torch.nn.Module) -> list[tuple[type, list[tuple[int, ...]]]]:

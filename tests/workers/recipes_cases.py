@@ -514,13 +514,15 @@ def timm_ema_module() -> pl.LightningModule:
     return module
 
 
-def copied_ema_module() -> pl.LightningModule:
+def copied_ema_module(first_batch: int = 0) -> pl.LightningModule:
     """A tiny BERT that keeps an exponential moving average of itself by hand: a deepcopy of the
-    model, moved towards its weights after each batch."""
+    model, moved towards its weights after each batch from ``first_batch`` on (a warm-up)."""
     module = build_case_module({"model": "bert", "lr": 1e-3})
     module.ema = copy.deepcopy(module.model).requires_grad_(False)
 
     def on_train_batch_end(outputs, batch, batch_idx):
+        if batch_idx < first_batch:
+            return
         with torch.no_grad():
             for average, weight in zip(module.ema.parameters(), module.model.parameters()):
                 average.lerp_(weight, 0.1)

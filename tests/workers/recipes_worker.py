@@ -1,7 +1,7 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
 rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | averaged_model | timm_ema | copied_ema | reference_model | clamping | hooks_profiled | fp16 | bf16 | occasional_head | occasional_head_in_window | skipped_block | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped) [resume CKPT]
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | averaged_model | timm_ema | copied_ema | late_copied_ema | reference_model | clamping | hooks_profiled | fp16 | bf16 | occasional_head | occasional_head_in_window | skipped_block | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped) [resume CKPT]
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do), and
 "own_sampler" turns Lightning's distributed sampler off (the loader shuffles), each from random
@@ -160,6 +160,7 @@ def main() -> None:
         "averaged_model": averaged_model_module,
         "timm_ema": timm_ema_module,
         "copied_ema": copied_ema_module,
+        "late_copied_ema": lambda: copied_ema_module(first_batch=STEPS - 1),
         "reference_model": reference_model_module,
         "clamping": clamping_module,
         "lbfgs": lbfgs_module,
@@ -200,6 +201,7 @@ def main() -> None:
             "averaged_model",
             "timm_ema",
             "copied_ema",
+            "late_copied_ema",
             "clamping",
             "lbfgs",
             "sam",
