@@ -111,12 +111,17 @@ def test_fp16_loss_scaling_agrees_across_stages(mode, tmp_path):
         torch.testing.assert_close(state[key], value, **tolerance, msg=key)
 
 
-def test_a_frozen_copy_of_the_model_that_the_loss_reads_trains_under_a_pipeline(tmp_path):
+@pytest.mark.parametrize("mode", ["reference_model", "reference_model_at_fit_start_replicas"])
+def test_a_frozen_copy_of_the_model_that_the_loss_reads_trains_as_one_process(mode, tmp_path):
     # A reference model (a KL term to a frozen copy's predictions) is built as the model is, as an
     # EMA's copy is, but nothing writes it: it is not refused, and every rank reads its own whole copy.
-    run_workers("recipes_worker.py", 2, str(tmp_path), "reference_model")
-    expected = mixed_precision_reference(reference_model_module(), {}, microbatches=2)["state"]
-    state = torch.load(tmp_path / "reference_model.pt", weights_only=True)["state"]
+    # reference_model_at_fit_start_replicas: copied in on_fit_start on 1x2, as under DDP; the copy
+    # took the strategy's forward and hooks along (their process groups cannot be copied: TypeError).
+    run_workers("recipes_worker.py", 2, str(tmp_path), mode)
+    pipelined = mode == "reference_model"
+    module = reference_model_module(at_fit_start=not pipelined)
+    expected = mixed_precision_reference(module, {}, microbatches=2 if pipelined else 1)["state"]
+    state = torch.load(tmp_path / f"{mode}.pt", weights_only=True)["state"]
     assert any(key.startswith("reference.") for key in expected)
     for key, value in expected.items():
         torch.testing.assert_close(state[key], value, atol=1e-6, rtol=1e-5, msg=key)
@@ -334,6 +339,12 @@ def test_stages_reading_different_batches_is_an_error(mode, tmp_path):
         ("copied_ema", "WeightAveragingError", "ema.bert.encoder.layer is a copy of the model's blocks whose weights"),
         # The same from the last step on: found as fit ends.
         ("late_copied_ema", "WeightAveragingError", "ema.bert.encoder.layer is a copy of the model's blocks"),
+        # A copy made after the set-up copies the other stage's blocks as they read there: NaN.
+        (
+            "reference_model_at_fit_start",
+            "WeightAveragingError",
+            "reference.bert.encoder.layer is a copy of the model's blocks",
+        ),
         ("clamping", "RuntimeError", "writes every weight in place (an average copied into the model"),
         ("lbfgs", "UnsupportedRecipeError", "torch.optim.LBFGS under a 2-stage pipeline"),
         ("sam", "UnsupportedRecipeError", "called the closure (training_step and the backward) a second time"),

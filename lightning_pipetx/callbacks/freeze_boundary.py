@@ -23,6 +23,7 @@ from torch import nn
 
 from lightning_pipetx.blocks import BlockSplit
 from lightning_pipetx.checkpointing import in_reentrant_checkpoint
+from lightning_pipetx.strategy.installed import InstalledHook
 
 
 def _keep_eval(module: nn.Module, args: tuple) -> None:
@@ -53,7 +54,7 @@ class FreezeBoundary:
         self.watched = trains[0]
         for module in split.blocks[self.watched].modules():
             if any(p.requires_grad for p in module.parameters(recurse=False)):
-                self._handles.append(module.register_forward_pre_hook(self._enter))
+                self._handles.append(module.register_forward_pre_hook(InstalledHook(self._enter)))
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -359,8 +359,6 @@ class ElasticPipelineStrategy(DDPStrategy):
             check_fit_recipe(
                 trainer, self.optimizers, scaler, self._split.blocks, length, self.world_size, self._autocache
             )
-            roots = copy_roots(self.lightning_module, trainer.callbacks)
-            self._block_copies = BlockCopyWatch(roots, self._split.blocks, length)
         self.engine = self._build_engine(plan)
         self.engine.profile_steps = self.profile_steps
         drop_optimizer_state(self._split.blocks, self.optimizers, self.engine.block_range)
@@ -542,6 +540,9 @@ class ElasticPipelineStrategy(DDPStrategy):
         # After the callbacks' hooks: a frozen prefix re-applied on resume moved before anything was logged.
         self._metrics.forget_logged()
         self._epoch_begun = None
+        # Copies of the model made up to now (in __init__, setup or on_fit_start), by the module or a callback.
+        roots = copy_roots(self.lightning_module, self.lightning_module.trainer.callbacks)
+        self._block_copies = BlockCopyWatch(roots, self._split.blocks, self._require_engine().layout.pipeline_length)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._take_back_lent_blocks()

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_pipetx.strategy.installed import InstalledForward, InstalledHook
+
 log = logging.getLogger("lightning_pipetx")
 
 COLLECTED_OUTPUTS = ("output_hidden_states", "output_attentions", "output_router_logits")
@@ -268,13 +270,15 @@ class CollectedOutputChecks:
     def install(self) -> None:
         for module in self.root.modules():
             if _is_hf_model(module):
-                self._handles.append(module.register_forward_pre_hook(self._check_call, with_kwargs=True))
+                check = InstalledHook(self._check_call)
+                self._handles.append(module.register_forward_pre_hook(check, with_kwargs=True))
                 if _forces_hidden_states(module):
                     self._forcing_models.add(id(module))
-                    self._handles.append(module.register_forward_hook(self._forcing_ends, always_call=True))
+                    ends = InstalledHook(self._forcing_ends)
+                    self._handles.append(module.register_forward_hook(ends, always_call=True))
             elif callable(getattr(type(module), "forward_intermediates", None)):
                 original = module.forward_intermediates
-                module.forward_intermediates = functools.partial(self._intermediates, module, original)
+                module.forward_intermediates = InstalledForward(original, self._intermediates, module, original)
                 self._wrapped.append(module)
 
     def remove(self) -> None:

@@ -14,7 +14,6 @@ a single process would have computed.
 
 from __future__ import annotations
 
-import functools
 import io
 import pickle
 from collections.abc import Callable
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_pipetx.strategy.installed import InstalledForward
 from lightning_pipetx.strategy.model_checks import UnsupportedRecipeError
 from lightning_pipetx.strategy.stage_hooks import StageExit, StageHooks
 from lightning_pipetx.strategy.stage_runner import StageRunner
@@ -64,7 +64,7 @@ class OutputRelay:
     def install(self) -> None:
         self._saved = [module.__dict__.get("forward") for module in self.modules]
         for module in self.modules:
-            module.forward = functools.partial(self._forward, module.forward)
+            module.forward = InstalledForward(module.forward, self._forward, module.forward)
 
     def remove(self) -> None:
         for module, saved in zip(self.modules, self._saved):

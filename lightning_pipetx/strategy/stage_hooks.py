@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from lightning_pipetx.checkpointing import in_reentrant_checkpoint
+from lightning_pipetx.strategy.installed import InstalledForward
 from lightning_pipetx.strategy.model_checks import UnsupportedRecipeError
 from lightning_pipetx.strategy.p2p import Activation, BoundaryError
 from lightning_pipetx.strategy.unread_output import unread
@@ -96,7 +97,7 @@ class StageHooks:
             original = block.forward
             first_arg = next(iter(inspect.signature(original).parameters), None)
             self._saved[index] = block.__dict__.get("forward")
-            block.forward = functools.partial(self._forward, index, original, first_arg)
+            block.forward = InstalledForward(original, self._forward, index, original, first_arg)
 
     def remove(self) -> None:
         for index, block in enumerate(self.blocks):

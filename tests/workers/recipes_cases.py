@@ -531,11 +531,19 @@ def copied_ema_module(first_batch: int = 0) -> pl.LightningModule:
     return module
 
 
-def reference_model_module() -> pl.LightningModule:
+def reference_model_module(at_fit_start: bool = False) -> pl.LightningModule:
     """A tiny BERT whose loss keeps it close to a frozen copy of itself (a KL term to the copy's
-    predictions, as a fine-tune against a reference model): the copy is read, never written."""
+    predictions, as a fine-tune against a reference model): the copy is read, never written. It
+    is made in ``__init__``, or ``at_fit_start`` (in ``on_fit_start``, after the strategy's set-up)."""
     module = build_case_module({"model": "bert", "lr": 1e-3})
-    module.reference = copy.deepcopy(module.model).requires_grad_(False)
+
+    def on_fit_start():
+        module.reference = copy.deepcopy(module.model).requires_grad_(False)
+
+    if at_fit_start:
+        module.on_fit_start = on_fit_start
+    else:
+        on_fit_start()
 
     def training_step(batch, batch_idx):
         out = module.model(**batch)

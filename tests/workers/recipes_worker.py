@@ -1,7 +1,7 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
 rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | averaged_model | timm_ema | copied_ema | late_copied_ema | reference_model | clamping | hooks_profiled | fp16 | bf16 | occasional_head | occasional_head_in_window | skipped_block | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped) [resume CKPT]
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | averaged_model | timm_ema | copied_ema | late_copied_ema | reference_model_at_fit_start | reference_model_at_fit_start_replicas | reference_model | clamping | hooks_profiled | fp16 | bf16 | occasional_head | occasional_head_in_window | skipped_block | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped) [resume CKPT]
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do), and
 "own_sampler" turns Lightning's distributed sampler off (the loader shuffles), each from random
@@ -162,6 +162,8 @@ def main() -> None:
         "copied_ema": copied_ema_module,
         "late_copied_ema": lambda: copied_ema_module(first_batch=STEPS - 1),
         "reference_model": reference_model_module,
+        "reference_model_at_fit_start": lambda: reference_model_module(at_fit_start=True),
+        "reference_model_at_fit_start_replicas": lambda: reference_model_module(at_fit_start=True),
         "clamping": clamping_module,
         "lbfgs": lbfgs_module,
         "sam": sam_module,
@@ -186,7 +188,16 @@ def main() -> None:
     resume = sys.argv[sys.argv.index("resume") + 1] if "resume" in sys.argv else None
     steps = [ModelCheckpoint(out_dir, save_top_k=-1, every_n_train_steps=6)] if mode == "summed_count" else []
     length = (
-        1 if mode in ("fp16_fused_replicas", "pruning_replicas", "sam_accumulated", "occasional_head_in_window") else 2
+        1
+        if mode
+        in (
+            "fp16_fused_replicas",
+            "pruning_replicas",
+            "sam_accumulated",
+            "occasional_head_in_window",
+            "reference_model_at_fit_start_replicas",
+        )
+        else 2
     )
     # The refused outputs are refused on the first stage only (the last one waits for its hidden
     # state): the ranks agree on the failure within a third of this timeout.
@@ -202,6 +213,7 @@ def main() -> None:
             "timm_ema",
             "copied_ema",
             "late_copied_ema",
+            "reference_model_at_fit_start",
             "clamping",
             "lbfgs",
             "sam",
