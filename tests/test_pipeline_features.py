@@ -13,6 +13,7 @@ import torch
 from compiled_worker import EPOCHS, CompiledRegressor
 from distributed import REPO, TESTS_DIR, run_workers
 from features_worker import Classifier
+from generate_worker import generated
 from step_randomness_worker import train as train_batch_changing_step
 from tiny_models import RandomVectorDataset, make_trainer
 from torch.utils.data import DataLoader, DistributedSampler
@@ -220,3 +221,16 @@ def test_python_and_numpy_draws_after_the_model_call_keep_the_stages_reading_the
     assert ranks[0]["drawn"] == ranks[1]["drawn"]
     for name, value in ranks[0]["state"].items():
         assert torch.equal(ranks[1]["state"][name], value), name
+
+
+def test_generate_decodes_as_one_process_without_a_cache_and_is_refused_with_one(tmp_path):
+    # With generate's default use_cache=True each stage filled only its own blocks' layers of the
+    # key/value cache: from the second new token on the stages decoded from a cache with holes,
+    # and the tokens were wrong on every rank without a word.
+    output = run_workers("generate_worker.py", 2, str(tmp_path), "cached", expect_failure=True)
+    assert "UnsupportedRecipeError: ElasticPipelineStrategy: an evaluation step's model call reads the key" in output
+    assert "Pass use_cache=False to generate()" in output
+    run_workers("generate_worker.py", 2, str(tmp_path), "uncached")
+    expected = generated(devices=1, use_cache=True)
+    for rank in range(2):
+        assert torch.equal(torch.load(tmp_path / f"rank{rank}.pt"), expected)

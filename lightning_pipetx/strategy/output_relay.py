@@ -14,9 +14,11 @@ a single process would have computed.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -60,6 +62,7 @@ class OutputRelay:
         self._active = False
         self._depth = 0
         self._saved: list[Any] = []
+        self._caches: weakref.WeakSet[Any] = weakref.WeakSet()  # key/value caches the relayed calls returned
 
     def install(self) -> None:
         self._saved = [module.__dict__.get("forward") for module in self.modules]
@@ -92,12 +95,31 @@ class OutputRelay:
                 f"before the last, nor the step's inputs. Evaluate with a Trainer whose strategy has "
                 f"pipeline_length=1, or call the model without gradients."
             )
+        self._refuse_returned_cache(args, kwargs)
         self._depth += 1
         try:
             output = self._run_stage(original, args, kwargs)
         finally:
             self._depth -= 1
-        return share_output(output, self.topology, self.device)
+        output = share_output(output, self.topology, self.device)
+        cache = output.get("past_key_values") if isinstance(output, Mapping) else None
+        if cache is not None:
+            with contextlib.suppress(TypeError):  # a cache of tuples cannot be watched
+                self._caches.add(cache)
+        return output
+
+    def _refuse_returned_cache(self, args: tuple, kwargs: dict) -> None:
+        """Refuse, on every stage, a call given the key/value cache an earlier call returned (a
+        decoding step of ``generate``): each stage filled only its own blocks' layers of it."""
+        length = self.topology.pipeline_length
+        if length > 1 and any(_is_in(value, self._caches) for value in (*args, *kwargs.values())):
+            raise UnsupportedRecipeError(
+                f"ElasticPipelineStrategy: an evaluation step's model call reads the key/value cache an earlier call "
+                f"returned (generate() with use_cache=True, its default): under a pipeline of {length} stages each "
+                f"stage fills only its own blocks' layers of the cache, so decoding from it would give wrong tokens. "
+                f"Pass use_cache=False to generate() (or the call), or evaluate with a Trainer whose strategy has "
+                f"pipeline_length=1."
+            )
 
     def _run_stage(self, original: Callable, args: tuple, kwargs: dict) -> Any:
         topo = self.topology
@@ -119,6 +141,13 @@ class OutputRelay:
                 f"pipeline_length=1."
             )
         return output
+
+
+def _is_in(value: Any, caches: weakref.WeakSet[Any]) -> bool:
+    try:
+        return value in caches
+    except TypeError:  # not hashable, or not weakly referable
+        return False
 
 
 # ------------------------------------------------------------------ output transfer

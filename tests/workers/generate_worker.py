@@ -1,0 +1,68 @@
+"""``generate()`` in ``validation_step`` of a tiny GPT-2 under a 2-stage pipeline (2x1).
+
+Usage: torchrun --nproc_per_node=2 generate_worker.py OUT_DIR (cached | uncached)
+``cached``: generate's default ``use_cache=True``, whose cache each stage fills for its own blocks
+only (refused); ``uncached``: ``use_cache=False``. Every rank writes OUT_DIR/rank<N>.pt: the ids
+generated for each prompt. :func:`generated` is also the one-process reference.
+"""
+
+import os
+import sys
+
+import lightning.pytorch as pl
+import torch
+from tiny_models import tiny_gpt2
+from torch.utils.data import DataLoader
+from worker_exit import run_worker
+
+from lightning_pipetx import ElasticPipelineStrategy
+
+NEW_TOKENS = 4
+
+
+class Generating(pl.LightningModule):
+    def __init__(self, use_cache: bool | None) -> None:
+        super().__init__()
+        self.model = tiny_gpt2(seed=0, dropout=0.0)
+        self.options = {} if use_cache is None else {"use_cache": use_cache}
+        self.generated: list[torch.Tensor] = []
+
+    def validation_step(self, batch, batch_idx):
+        ids = self.model.generate(
+            input_ids=batch,
+            attention_mask=torch.ones_like(batch),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+            **self.options,
+        )
+        self.generated.append(ids[:, batch.shape[1] :])
+
+
+def prompts() -> DataLoader:
+    return DataLoader(torch.randint(2, 100, (8, 6), generator=torch.Generator().manual_seed(0)), batch_size=4)
+
+
+def generated(devices: int, use_cache: bool | None) -> torch.Tensor:
+    """The new ids for every prompt, in order."""
+    module = Generating(use_cache)
+    strategy = ElasticPipelineStrategy(pipeline_length=2) if devices == 2 else "auto"
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.validate(module, prompts(), verbose=False)
+    return torch.cat(module.generated)
+
+
+def main() -> None:
+    ids = generated(devices=2, use_cache=None if sys.argv[2] == "cached" else False)
+    torch.save(ids, os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.pt"))
+
+
+if __name__ == "__main__":
+    run_worker(main)
