@@ -234,3 +234,12 @@ def test_generate_decodes_as_one_process_without_a_cache_and_is_refused_with_one
     expected = generated(devices=1, use_cache=True)
     for rank in range(2):
         assert torch.equal(torch.load(tmp_path / f"rank{rank}.pt"), expected)
+
+
+def test_a_model_call_outside_a_step_is_explained_on_every_stage(tmp_path):
+    # A sample generated in on_validation_epoch_end: the last stage lacks the hidden state it would
+    # receive, the first stage stopped after its blocks (a bare "stage boundary" escaped to the user).
+    output = run_workers("generate_worker.py", 2, str(tmp_path), "epoch_end", expect_failure=True)
+    for rank in (0, 1):
+        lines = [line for line in output.splitlines() if line.startswith(f"[rank{rank}]:")]
+        assert any("model was called outside a pipelined step" in line for line in lines), rank

@@ -38,8 +38,16 @@ class StageExit(BaseException):  # noqa: N818 - control flow, not an error
     not swallow the stage boundary."""
 
     def __init__(self, activation: Activation) -> None:
-        super().__init__("stage boundary")
+        super().__init__(_ESCAPED_BOUNDARY)
         self.activation = activation
+
+
+_ESCAPED_BOUNDARY = (
+    "stage boundary: the model's forward stopped after the last block of this rank's pipeline stage. Raised "
+    "to your code, it means the model was called outside a pipelined step (in a hook such as "
+    "on_validation_epoch_end): under ElasticPipelineStrategy each rank holds only its stage's blocks, so call the "
+    "model from training/validation/test/predict_step."
+)
 
 
 class BlockTimer:

@@ -1,8 +1,9 @@
 """``generate()`` in ``validation_step`` of a tiny GPT-2 under a 2-stage pipeline (2x1).
 
-Usage: torchrun --nproc_per_node=2 generate_worker.py OUT_DIR (cached | uncached)
+Usage: torchrun --nproc_per_node=2 generate_worker.py OUT_DIR (cached | uncached | epoch_end)
 ``cached``: generate's default ``use_cache=True``, whose cache each stage fills for its own blocks
-only (refused); ``uncached``: ``use_cache=False``. Every rank writes OUT_DIR/rank<N>.pt: the ids
+only (refused); ``uncached``: ``use_cache=False``; ``epoch_end``: a sample generated in
+``on_validation_epoch_end``, outside a pipelined step (refused on every stage). Every rank writes OUT_DIR/rank<N>.pt: the ids
 generated for each prompt. :func:`generated` is also the one-process reference.
 """
 
@@ -39,13 +40,18 @@ class Generating(pl.LightningModule):
         self.generated.append(ids[:, batch.shape[1] :])
 
 
+class GeneratingAtEpochEnd(Generating):
+    def on_validation_epoch_end(self):
+        self.model.generate(input_ids=torch.ones(1, 3, dtype=torch.long), max_new_tokens=2, pad_token_id=0)
+
+
 def prompts() -> DataLoader:
     return DataLoader(torch.randint(2, 100, (8, 6), generator=torch.Generator().manual_seed(0)), batch_size=4)
 
 
-def generated(devices: int, use_cache: bool | None) -> torch.Tensor:
+def generated(devices: int, use_cache: bool | None, at_epoch_end: bool = False) -> torch.Tensor:
     """The new ids for every prompt, in order."""
-    module = Generating(use_cache)
+    module = (GeneratingAtEpochEnd if at_epoch_end else Generating)(use_cache)
     strategy = ElasticPipelineStrategy(pipeline_length=2) if devices == 2 else "auto"
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -60,7 +66,8 @@ def generated(devices: int, use_cache: bool | None) -> torch.Tensor:
 
 
 def main() -> None:
-    ids = generated(devices=2, use_cache=None if sys.argv[2] == "cached" else False)
+    mode = sys.argv[2]
+    ids = generated(devices=2, use_cache=None if mode == "cached" else False, at_epoch_end=mode == "epoch_end")
     torch.save(ids, os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.pt"))
 
 
