@@ -339,6 +339,8 @@ def test_stages_reading_different_batches_is_an_error(mode, tmp_path):
         ("copied_ema", "WeightAveragingError", "ema.bert.encoder.layer is a copy of the model's blocks whose weights"),
         # The same from the last step on: found as fit ends.
         ("late_copied_ema", "WeightAveragingError", "ema.bert.encoder.layer is a copy of the model's blocks"),
+        # Made by a deepcopy at its first update, in the last step: found as fit ends.
+        ("lazy_ema", "WeightAveragingError", "ema.bert.encoder.layer is a copy of the model's blocks"),
         # A copy made after the set-up copies the other stage's blocks as they read there: NaN.
         (
             "reference_model_at_fit_start",

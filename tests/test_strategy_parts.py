@@ -4,6 +4,8 @@ import copy
 import itertools
 import pickle
 import random
+import threading
+import types
 import warnings
 from collections import namedtuple
 from datetime import timedelta
@@ -18,15 +20,17 @@ from torch.utils.data import DataLoader, DistributedSampler
 from transformers import BatchEncoding
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback, Layout, find_blocks
+from lightning_pipetx.callbacks.freeze_boundary import FreezeBoundary
 from lightning_pipetx.strategy.autopipe import AutoPipe
 from lightning_pipetx.strategy.failure import explain_training_outputs
+from lightning_pipetx.strategy.installed import InstalledForward, InstalledHook
 from lightning_pipetx.strategy.log_replay import LogRecorder
 from lightning_pipetx.strategy.metric_sync import LastStageSync
 from lightning_pipetx.strategy.microbatch import BatchSplitError, chunk, join_outputs, split_batch, take
 from lightning_pipetx.strategy.param_store import ParamStore
 from lightning_pipetx.strategy.partition import partition, stage_costs
 from lightning_pipetx.strategy.predictions import merge_shards
-from lightning_pipetx.strategy.recipe_checks import BlockCopyWatch, WeightAveragingError, copy_roots
+from lightning_pipetx.strategy.recipe_checks import BlockCopyWatch, WeightAveragingError
 from lightning_pipetx.strategy.stage_runner import schedule_actions
 
 
@@ -789,15 +793,49 @@ def test_copies_of_the_block_list_are_watched_in_the_module_and_in_callbacks_and
     blocks = find_blocks(module).blocks
     module.layers = torch.nn.ModuleList(list(blocks))
     module.reference = copy.deepcopy(module.model)
-    callback = _KeepsAnAverage(module.model)
-    watch = BlockCopyWatch(copy_roots(module, [callback]), blocks, pipeline_length=2)
+    trainer = types.SimpleNamespace(lightning_module=module, callbacks=[])
+    watch = BlockCopyWatch(trainer, blocks, pipeline_length=2)
     with torch.no_grad():
         for param in blocks.parameters():
             param.fill_(float("nan"))  # as another stage's blocks read
     watch.check()
+    callback = _KeepsAnAverage(module.model)  # copies are looked for at each check
+    trainer.callbacks.append(callback)
     with torch.no_grad():
         for param in callback.average.bert.encoder.layer[1].parameters():  # an average of NaN
             param.fill_(float("nan"))
     with pytest.raises(WeightAveragingError, match=r"_KeepsAnAverage.average.bert.encoder.layer is a copy"):
         watch.check()
-    BlockCopyWatch(copy_roots(module, [callback]), blocks, pipeline_length=1).check()  # replicas hold every block
+    BlockCopyWatch(trainer, blocks, pipeline_length=1).check()  # replicas hold every block
+
+
+def test_a_model_copied_or_pickled_during_fit_leaves_the_strategy_s_forwards_and_hooks_behind():
+    # copy.deepcopy(self.model) for an EMA, torch.save(self.model): the copy took the installed
+    # callables along, whose state (process groups, here a lock) cannot be copied or pickled, and
+    # whose forward ran the original blocks.
+    model = build_model("bert", dropout=0.0)
+    blocks = find_blocks(model).blocks
+    lock, calls = threading.Lock(), []
+
+    def relayed(original, *args, **kwargs):
+        calls.append(lock)
+        return original(*args, **kwargs)
+
+    for block in blocks:
+        block.forward = InstalledForward(block.forward, relayed, block.forward)
+    blocks[1].register_forward_pre_hook(InstalledHook(lambda module, args: calls.append(lock)))
+    FreezeBoundary().install(find_blocks(model), 1)  # block 0 kept in eval mode
+    inputs = torch.randint(1, 50, (2, 6))
+    expected = model(input_ids=inputs).logits
+    assert len(calls) == len(blocks) + 1
+    calls.clear()
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        copied.train()
+        weight = copied.bert.encoder.layer[-1].output.dense.weight
+        with torch.no_grad():
+            weight.mul_(3.0)  # its own weights, not the original's
+        assert not torch.allclose(copied(input_ids=inputs).logits, expected)
+        assert not calls and copied.bert.encoder.layer[0].training
+        with torch.no_grad():
+            weight.div_(3.0)
+        torch.testing.assert_close(copied.eval()(input_ids=inputs).logits, expected)

@@ -47,7 +47,7 @@ class FreezeBoundary:
         if frozen_blocks <= 0:
             return
         for module in split.prefix_modules(frozen_blocks):
-            self._handles.append(module.register_forward_pre_hook(_keep_eval))
+            self._handles.append(module.register_forward_pre_hook(InstalledHook(_keep_eval)))
         trains = [i for i in range(frozen_blocks, split.num_blocks) if _trains(split.blocks[i])]
         if not trains:
             return

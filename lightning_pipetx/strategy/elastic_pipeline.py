@@ -67,7 +67,6 @@ from lightning_pipetx.strategy.predictions import QuietWriters, gather_trainer_p
 from lightning_pipetx.strategy.recipe_checks import (
     BlockCopyWatch,
     check_fit_recipe,
-    copy_roots,
     refuse_collected_outputs,
     refuse_repeated_closure,
 )
@@ -540,9 +539,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         # After the callbacks' hooks: a frozen prefix re-applied on resume moved before anything was logged.
         self._metrics.forget_logged()
         self._epoch_begun = None
-        # Copies of the model made up to now (in __init__, setup or on_fit_start), by the module or a callback.
-        roots = copy_roots(self.lightning_module, self.lightning_module.trainer.callbacks)
-        self._block_copies = BlockCopyWatch(roots, self._split.blocks, self._require_engine().layout.pipeline_length)
+        length = self._require_engine().layout.pipeline_length
+        self._block_copies = BlockCopyWatch(self.lightning_module.trainer, self._split.blocks, length)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._take_back_lent_blocks()

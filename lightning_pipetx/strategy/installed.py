@@ -1,9 +1,10 @@
 """Callables the strategy installs on a user's modules (a block's ``forward``, forward hooks),
 which a deep copy of the module leaves behind.
 
-A script may copy its model during fit (``copy.deepcopy(self.model)`` in ``on_fit_start``, for an
-EMA or a reference model). Without this, the copy would carry the strategy's callables, whose state
-(process groups) cannot be copied, and whose ``forward`` would run the original module.
+A script may copy or save its model during fit (``copy.deepcopy(self.model)`` in ``on_fit_start``,
+for an EMA or a reference model; ``torch.save(self.model)``). Without this, the copy would carry the
+strategy's callables, whose state (process groups) cannot be copied or pickled, and whose
+``forward`` would run the original module.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ class InstalledForward:
     def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., Any]:
         return copy.deepcopy(self.original, memo)
 
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        return _same, (self.original,)
+
 
 class InstalledHook:
     """A forward (pre-)hook of the strategy's; a deep copy of its module gets one that does nothing."""
@@ -40,6 +44,13 @@ class InstalledHook:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., Any]:
         return _no_change
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        return _same, (_no_change,)
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def _no_change(*args: Any, **kwargs: Any) -> None:

@@ -89,24 +89,33 @@ class BlockCopyWatch:
     """Copies of the block list kept beside the model (an EMA kept as a ``deepcopy`` of it, in the
     LightningModule or in a callback; a frozen reference model), watched under a pipeline. A rank
     holds only its stage's blocks, the others read NaN: a copy whose weights turn NaN was written
-    from them (an average of every weight), and is refused before a checkpoint keeps it. A
-    reference model is never written."""
+    from them (an average of every weight), or copied them, and is refused before a checkpoint
+    keeps it. A reference model is never written. Copies are looked for at each check: a script
+    may make one at any time (an EMA made at its first update)."""
 
-    def __init__(self, roots: list[tuple[str, torch.nn.Module]], blocks: torch.nn.Module, pipeline_length: int) -> None:
+    def __init__(self, trainer: pl.Trainer, blocks: torch.nn.Module, pipeline_length: int) -> None:
+        self._trainer = trainer
+        self._blocks = blocks
         self._pipeline_length = pipeline_length
-        self._probes: list[tuple[str, torch.Tensor]] = []  # per copied block, its smallest weight
-        if pipeline_length > 1:
-            for name, copy in _block_list_copies(roots, blocks):
-                for index, block in enumerate(copy.children()):
-                    weights = list(block.parameters())
-                    if weights:
-                        self._probes.append((f"{name}.{index}", min(weights, key=torch.Tensor.numel)))
+
+    def _probes(self) -> list[tuple[str, torch.Tensor]]:
+        """Per copied block, its smallest weight."""
+        probes = []
+        roots = copy_roots(self._trainer.lightning_module, self._trainer.callbacks)
+        for name, copy in _block_list_copies(roots, self._blocks):
+            for index, block in enumerate(copy.children()):
+                weights = list(block.parameters())
+                if weights:
+                    probes.append((f"{name}.{index}", min(weights, key=torch.Tensor.numel)))
+        return probes
 
     def check(self) -> None:
         """Raise :class:`WeightAveragingError` where a copy holds NaN (one host read per device the
         copies are on, where there are copies)."""
+        if self._pipeline_length <= 1:
+            return
         by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
-        for name, weight in self._probes:
+        for name, weight in self._probes():
             by_device.setdefault(weight.device, []).append((name, torch.isfinite(weight.detach()).all()))
         turned = [
             name

@@ -531,6 +531,27 @@ def copied_ema_module(first_batch: int = 0) -> pl.LightningModule:
     return module
 
 
+def lazy_ema_module() -> pl.LightningModule:
+    """A tiny BERT whose hand-written EMA is made at its first update (a deepcopy in the last
+    step's on_train_batch_start), then moved towards the model after the batch."""
+    module = build_case_module({"model": "bert", "lr": 1e-3})
+    module.ema = None
+
+    def on_train_batch_start(batch, batch_idx):
+        if batch_idx == STEPS - 1 and module.ema is None:
+            module.ema = copy.deepcopy(module.model).requires_grad_(False)
+
+    def on_train_batch_end(outputs, batch, batch_idx):
+        if module.ema is not None:
+            with torch.no_grad():
+                for average, weight in zip(module.ema.parameters(), module.model.parameters()):
+                    average.lerp_(weight, 0.1)
+
+    module.on_train_batch_start = on_train_batch_start
+    module.on_train_batch_end = on_train_batch_end
+    return module
+
+
 def reference_model_module(at_fit_start: bool = False) -> pl.LightningModule:
     """A tiny BERT whose loss keeps it close to a frozen copy of itself (a KL term to the copy's
     predictions, as a fine-tune against a reference model): the copy is read, never written. It

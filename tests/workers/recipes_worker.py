@@ -1,7 +1,7 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
 rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | averaged_model | timm_ema | copied_ema | late_copied_ema | reference_model_at_fit_start | reference_model_at_fit_start_replicas | reference_model | clamping | hooks_profiled | fp16 | bf16 | occasional_head | occasional_head_in_window | skipped_block | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped) [resume CKPT]
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | averaged_model | timm_ema | copied_ema | late_copied_ema | lazy_ema | reference_model_at_fit_start | reference_model_at_fit_start_replicas | reference_model | clamping | hooks_profiled | fp16 | bf16 | occasional_head | occasional_head_in_window | skipped_block | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped) [resume CKPT]
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do), and
 "own_sampler" turns Lightning's distributed sampler off (the loader shuffles), each from random
@@ -35,6 +35,7 @@ from recipes_cases import (
     hidden_states_module,
     hook_counting_module,
     intermediates_module,
+    lazy_ema_module,
     lbfgs_module,
     mixed_precision_module,
     none_step_module,
@@ -161,6 +162,7 @@ def main() -> None:
         "timm_ema": timm_ema_module,
         "copied_ema": copied_ema_module,
         "late_copied_ema": lambda: copied_ema_module(first_batch=STEPS - 1),
+        "lazy_ema": lazy_ema_module,
         "reference_model": reference_model_module,
         "reference_model_at_fit_start": lambda: reference_model_module(at_fit_start=True),
         "reference_model_at_fit_start_replicas": lambda: reference_model_module(at_fit_start=True),
@@ -213,6 +215,7 @@ def main() -> None:
             "timm_ema",
             "copied_ema",
             "late_copied_ema",
+            "lazy_ema",
             "reference_model_at_fit_start",
             "clamping",
             "lbfgs",
