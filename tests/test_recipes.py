@@ -684,6 +684,16 @@ def test_a_step_that_calls_the_model_twice_is_refused_under_a_pipeline(tmp_path)
     assert "block 0 ran twice in one micro-batch's training_step: the step calls the model more than once" in output
 
 
+def test_a_loss_that_does_not_require_grad_stops_training_as_in_one_process():
+    # A detached loss trained nothing, silently; Lightning's backward raises on it.
+    module = hook_counting_module()
+    step = module.training_step
+    module.training_step = lambda batch, batch_idx: step(batch, batch_idx).detach()
+    trainer = tm.make_trainer([], max_epochs=1, strategy=ElasticPipelineStrategy())
+    with pytest.raises(RuntimeError, match="training_step returned a loss that does not require grad"):
+        trainer.fit(module, recipes_loader(8))
+
+
 def test_an_optimizer_without_a_learning_rate_trains():
     # Hugging Face's Adafactor with relative steps keeps lr=None in its groups.
     from transformers.optimization import Adafactor

@@ -321,7 +321,13 @@ class StageRunner:
         roots: list[torch.Tensor] = []
         if topo.is_last_stage:
             loss = flight.loss
-            if loss is not None and loss.requires_grad:
+            if loss is not None and not loss.requires_grad:
+                raise RuntimeError(
+                    "training_step returned a loss that does not require grad and has no grad_fn (computed under "
+                    "torch.no_grad(), detached, or from weights that all stopped training): its backward would "
+                    "train nothing. Lightning's backward stops on it in one process and under DDP alike."
+                )
+            if loss is not None:
                 roots, grads = [self.scale_loss(loss * loss_weight)], []
         elif flight.output is not None:
             roots = [t for t, need in zip(flight.output.tensors, flight.output.needs_grad) if need]
