@@ -72,9 +72,9 @@ def refuse_averaged_models(module: torch.nn.Module, pipeline_length: int) -> Non
         if _is_averaged_model(child):
             raise WeightAveragingError(
                 f"{name} is an average of the model's weights ({type(child).__module__.partition('.')[0]}'s "
-                f"{type(child).__name__}) under a {pipeline_length}-stage pipeline: it averages every weight, but each rank holds only the blocks "
-                f"of its stage, so its averages of the other blocks would be of placeholders (NaN). Pass "
-                f"ElasticPipelineStrategy(pipeline_length=1) (replicas only)."
+                f"{type(child).__name__}) under a {pipeline_length}-stage pipeline: it averages every weight, but "
+                f"each rank holds only the blocks of its stage, so its averages of the other blocks would be of "
+                f"placeholders (NaN). Pass ElasticPipelineStrategy(pipeline_length=1) (replicas only)."
             )
 
 
@@ -138,7 +138,7 @@ def copy_roots(module: torch.nn.Module, callbacks: list[pl.Callback]) -> list[tu
     """Where copies of the block list may be kept: the LightningModule, and modules held by callbacks."""
     roots = [("", module)]
     for callback in callbacks:
-        for attribute, value in vars(callback).items():
+        for attribute, value in getattr(callback, "__dict__", {}).items():  # none where it has __slots__
             if isinstance(value, torch.nn.Module) and value is not module:
                 roots.append((f"{type(callback).__name__}.{attribute}", value))
     return roots

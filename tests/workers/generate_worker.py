@@ -1,6 +1,7 @@
 """``generate()`` in ``validation_step`` of a tiny GPT-2 under a 2-stage pipeline (2x1).
 
-Usage: torchrun --nproc_per_node=2 generate_worker.py OUT_DIR (cached | uncached | epoch_end)
+Usage: torchrun --nproc_per_node=2 generate_worker.py OUT_DIR MODE, MODE one of cached, uncached,
+epoch_end.
 ``cached``: generate's default ``use_cache=True``, whose cache each stage fills for its own blocks
 only (refused); ``uncached``: ``use_cache=False``; ``epoch_end``: a sample generated in
 ``on_validation_epoch_end``, outside a pipelined step (refused on every stage). Every rank writes OUT_DIR/rank<N>.pt: the ids
