@@ -694,6 +694,30 @@ def test_a_loss_that_does_not_require_grad_stops_training_as_in_one_process():
         trainer.fit(module, recipes_loader(8))
 
 
+def test_a_micro_batch_whose_loss_does_not_require_grad_trains_where_another_s_does():
+    # A step that starts from a zero and adds the loss of the labelled samples: a micro-batch of
+    # unlabelled ones returns the zero alone, and the batch still trains, as in one process.
+    module = hook_counting_module()
+
+    def training_step(batch, batch_idx):
+        labelled = batch.pop("labelled")
+        loss = torch.zeros(())
+        if labelled.any():
+            loss = loss + module.model(**{k: v[labelled] for k, v in batch.items()}).loss
+        return loss
+
+    def first_half_labelled(samples):
+        batch = torch.utils.data.default_collate(samples)
+        return {**batch, "labelled": torch.arange(len(samples)) < len(samples) // 2}
+
+    module.training_step = training_step
+    loader = torch.utils.data.DataLoader(recipes_loader(8).dataset, batch_size=8, collate_fn=first_half_labelled)
+    before = [p.detach().clone() for p in module.parameters()]
+    trainer = tm.make_trainer([], max_steps=2, strategy=ElasticPipelineStrategy(num_microbatches=2))
+    trainer.fit(module, loader)
+    assert any(not torch.equal(b, p) for b, p in zip(before, module.parameters()))
+
+
 def test_an_optimizer_without_a_learning_rate_trains():
     # Hugging Face's Adafactor with relative steps keeps lr=None in its groups.
     from transformers.optimization import Adafactor

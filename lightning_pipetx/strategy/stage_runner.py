@@ -187,6 +187,7 @@ class StageRunner:
         self.split_backward = False
         self.weights: Callable[[], list[torch.Tensor]] = list
         self._weight_half: WeightGradients | None = None  # of the step's last backward, once its input half ran
+        self._step_loss_trains = False  # a micro-batch's loss of this step required grad (the last stage)
 
     # ------------------------------------------------------- communication
     def _receive_activation(self, outbox: list[tuple[torch.Tensor, int]], expected: tuple | None = None) -> Activation:
@@ -321,14 +322,18 @@ class StageRunner:
         roots: list[torch.Tensor] = []
         if topo.is_last_stage:
             loss = flight.loss
-            if loss is not None and not loss.requires_grad:
-                raise RuntimeError(
-                    "training_step returned a loss that does not require grad and has no grad_fn (computed under "
-                    "torch.no_grad(), detached, or from weights that all stopped training): its backward would "
-                    "train nothing. Lightning's backward stops on it in one process and under DDP alike."
-                )
-            if loss is not None:
+            if loss is not None and loss.requires_grad:
                 roots, grads = [self.scale_loss(loss * loss_weight)], []
+                self._step_loss_trains = True
+            elif loss is not None and last and not self._step_loss_trains:
+                raise RuntimeError(
+                    "training_step returned a loss that does not require grad and has no grad_fn, for every "
+                    "micro-batch of the batch (computed under torch.no_grad(), detached, or from weights that all "
+                    "stopped training): its backward would train nothing. Lightning's backward stops on it in one "
+                    "process and under DDP alike."
+                )
+            if last:
+                self._step_loss_trains = False
         elif flight.output is not None:
             roots = [t for t, need in zip(flight.output.tensors, flight.output.needs_grad) if need]
         received = flight.input
