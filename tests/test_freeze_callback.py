@@ -335,6 +335,19 @@ def test_a_linear_probe_is_told_to_train_without_the_callback():
         trainer.fit(module, tm.task_loader("bert", size=16))
 
 
+def test_blocks_the_user_froze_do_not_count_as_the_active_ones_the_callback_keeps():
+    # The user froze the last two of 4 blocks and the head: min_active_blocks=1 kept "one" of them,
+    # and the schedule froze blocks 0-1, the last that trained: epochs without a trainable weight.
+    module = tm.TinyBertClassifier(seed=0, dropout=0.0)
+    for frozen in (*module.model.bert.encoder.layer[2:], module.model.bert.pooler, module.model.classifier):
+        frozen.requires_grad_(False)
+    freeze = FreezeCallback(alpha=1 / 2, signal="schedule")
+    make_trainer([freeze], max_epochs=4).fit(module, tm.task_loader("bert", size=16))
+    assert freeze.frozen_blocks == 1
+    assert "blocks you froze do not count as active" in freeze.last_decision.reason
+    assert all(p.requires_grad for p in module.model.bert.encoder.layer[1].parameters())
+
+
 def test_the_first_freeze_names_the_weights_before_block_0_it_freezes(caplog):
     # A soft prompt, or the embeddings, stop training with the prefix: the log says so, once.
     module = tm.TinyBertClassifier(seed=0, dropout=0.0)
@@ -1241,13 +1254,27 @@ def test_a_callback_reused_for_another_model_starts_it_with_nothing_frozen():
     assert at_start.frozen[2] == 0 and (freeze.frozen_blocks, freeze.decisions) == (4, 2)
 
 
+class _FreezeEveryBlockFromEpoch1(Callback):
+    """The user's own freezing: every block stops training from epoch 1 on (the head trains)."""
+
+    frozen_at_epoch_1: int | None = None
+
+    def __init__(self, freeze: FreezeCallback) -> None:
+        self.freeze = freeze
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            pl_module.model.blocks.requires_grad_(False)
+            self.frozen_at_epoch_1 = self.freeze.frozen_blocks
+
+
 def test_a_decision_without_a_measured_gradient_says_so(caplog):
-    # The user froze blocks 2 and 3: once 0 and 1 froze, no active block measures a gradient.
+    # Once the user froze every block, no active block measures a gradient.
     module = tm.TinySequentialRegressor(seed=0, dropout=0.0)
-    module.model.blocks[2:].requires_grad_(False)
     freeze = FreezeCallback(alpha=1 / 2)
+    user = _FreezeEveryBlockFromEpoch1(freeze)
     with caplog.at_level("INFO", logger="lightning_pipetx"):
-        make_trainer([freeze], max_epochs=3).fit(module, tm.task_loader("sequential", size=16, batch_size=4))
-    assert freeze.frozen_blocks == 2
+        make_trainer([freeze, user], max_epochs=3).fit(module, tm.task_loader("sequential", size=16, batch_size=4))
+    assert freeze.frozen_blocks == user.frozen_at_epoch_1 > 0
     skipped = [r.message for r in caplog.records if "no decision" in r.message]
     assert skipped and all("no active block measured a gradient" in message for message in skipped)

@@ -74,7 +74,9 @@ class FreezeCallback(Callback):
         warmup_epochs: epochs trained before the first decision's interval begins (0: the
             first decision ends the first ``freeze_interval`` epochs); the first decision's
             gradient norms are averaged over the warm-up too.
-        min_active_blocks: never freeze more than ``L - min_active_blocks`` blocks.
+        min_active_blocks: never freeze more than ``L - min_active_blocks`` blocks, nor so many
+            that fewer than ``min_active_blocks`` blocks with a trainable weight are left (blocks
+            the user froze are not active ones).
         signal: ``"grad_norm"`` (both terms of the rule) or ``"schedule"`` (the closed form
             ``ceil(L * (1 - (1 - alpha) ** T))`` alone). Gradient norms are measured each
             step until the cap is reached or the guard stops freezing; then no decision uses them.
@@ -401,6 +403,16 @@ class FreezeCallback(Callback):
     def _mean_observed(self, group: dist.ProcessGroup | None = None) -> float:
         return float(all_reduce_mean(torch.tensor([self._observed]), group)[0])
 
+    def _longest_prefix(self) -> int:
+        """The longest frozen prefix that leaves ``min_active_blocks`` blocks with a trainable weight
+        after it: blocks the user froze (the last ones, with the head) are not active ones."""
+        trainable = [
+            i
+            for i in range(self.frozen_blocks, self.split.num_blocks)
+            if any(p.requires_grad for p in self.split.blocks[i].parameters())
+        ]
+        return trainable[-self.min_active_blocks] if len(trainable) >= self.min_active_blocks else self.frozen_blocks
+
     def _decide(self, trainer: pl.Trainer, epoch: int) -> bool:
         """The rule's decision after ``epoch``; whether the prefix grew (not applied yet)."""
         grad_norms = None
@@ -424,6 +436,11 @@ class FreezeCallback(Callback):
             grad_norms=grad_norms,
             decisions=self.decisions,
         )
+        limit = self._longest_prefix()
+        if decision.frozen > limit:
+            kept = max(decision.previous, limit)
+            reason = f"{decision.reason}; kept to {kept}: blocks you froze do not count as active (min_active_blocks)"
+            decision = FreezeDecision(decision.previous, kept, reason)
         self.last_decision = decision
         self._norms.reset()
         if trainer.is_global_zero:
