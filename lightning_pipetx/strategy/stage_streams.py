@@ -48,22 +48,26 @@ def start_unseeded_ranks_alike(broadcast: Callable[[Any], Any], is_global_zero: 
     return True
 
 
-def process_random_states(device: torch.device) -> tuple[Any, ...]:
-    """The process's random states: torch's on the CPU and on ``device``, Python's and NumPy's."""
+def process_random_states(device: torch.device, host: bool = True) -> tuple[Any, ...]:
+    """The process's random states: torch's on the CPU and on ``device``; with ``host``, Python's
+    and NumPy's too."""
     backend = device_module(device)
     on_device = None if backend is None else backend.get_rng_state(device)
-    return torch.get_rng_state(), on_device, random.getstate(), np.random.get_state(legacy=False)
+    torch_states = (torch.get_rng_state(), on_device)
+    return (*torch_states, random.getstate(), np.random.get_state(legacy=False)) if host else torch_states
 
 
 def set_process_random_states(states: tuple[Any, ...], device: torch.device) -> None:
-    """Set the states :func:`process_random_states` returned."""
-    cpu, on_device, python, numpy_state = states
+    """Set the states :func:`process_random_states` returned (Python's and NumPy's where it read them)."""
+    cpu, on_device, *host = states
     torch.set_rng_state(cpu)
     backend = device_module(device)
     if backend is not None:
         backend.set_rng_state(on_device, device)
-    random.setstate(python)
-    np.random.set_state(numpy_state)
+    if host:
+        python, numpy_state = host
+        random.setstate(python)
+        np.random.set_state(numpy_state)
 
 
 def device_module(device: torch.device) -> Any:
@@ -82,17 +86,17 @@ class StageStream:
     runs, Python's and NumPy's too."""
 
     def __init__(self, seed: int, device: torch.device, host_streams: bool) -> None:
-        self._backend = device_module(device)
+        backend = device_module(device)
         self._device = device
         self._host_streams = host_streams
         on_device = None
-        if self._backend is not None:  # seeded as the process's own, then put back: one state format
-            current = getattr(self._backend, "device", None)  # a context that makes ``device`` current
+        if backend is not None:  # seeded as the process's own, then put back: one state format
+            current = getattr(backend, "device", None)  # a context that makes ``device`` current
             with contextlib.nullcontext() if current is None else current(device):
-                saved = self._backend.get_rng_state(device)
-                self._backend.manual_seed(seed)  # seeds the current device
-                on_device = self._backend.get_rng_state(device)
-                self._backend.set_rng_state(saved, device)
+                saved = backend.get_rng_state(device)
+                backend.manual_seed(seed)  # seeds the current device
+                on_device = backend.get_rng_state(device)
+                backend.set_rng_state(saved, device)
         self._states: tuple[Any, ...] = (torch.Generator().manual_seed(seed).get_state(), on_device)
         if host_streams:  # NumPy's in the format of the bit generator its global functions use
             numpy_state = np.random.RandomState(type(np.random.get_bit_generator())(seed)).get_state(legacy=False)
@@ -119,13 +123,6 @@ class StageStream:
 
     def _swap(self, states: tuple[Any, ...]) -> tuple[Any, ...]:
         """Set ``states``; return those they replaced."""
-        if self._host_streams:
-            replaced = process_random_states(self._device)
-            set_process_random_states(states, self._device)
-            return replaced
-        on_device = None if self._backend is None else self._backend.get_rng_state(self._device)
-        replaced = (torch.get_rng_state(), on_device)
-        torch.set_rng_state(states[0])
-        if self._backend is not None:
-            self._backend.set_rng_state(states[1], self._device)
+        replaced = process_random_states(self._device, host=self._host_streams)
+        set_process_random_states(states, self._device)
         return replaced
