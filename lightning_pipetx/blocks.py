@@ -119,6 +119,10 @@ class BlockSplit:
     def block_parameters(self, index: int) -> Iterator[nn.Parameter]:
         return self.blocks[index].parameters()
 
+    def trainable_blocks(self, start: int = 0) -> list[int]:
+        """Indices of the blocks from ``start`` on that have a trainable weight."""
+        return [i for i in range(start, self.num_blocks) if any(p.requires_grad for p in self.blocks[i].parameters())]
+
     def prefix_modules(self, num_frozen: int) -> list[nn.Module]:
         """``pre`` modules and blocks ``[0, num_frozen)``: what freezing ``num_frozen`` blocks covers."""
         if num_frozen <= 0:

@@ -406,11 +406,7 @@ class FreezeCallback(Callback):
     def _longest_prefix(self) -> int:
         """The longest frozen prefix that leaves ``min_active_blocks`` blocks with a trainable weight
         after it: blocks the user froze (the last ones, with the head) are not active ones."""
-        trainable = [
-            i
-            for i in range(self.frozen_blocks, self.split.num_blocks)
-            if any(p.requires_grad for p in self.split.blocks[i].parameters())
-        ]
+        trainable = self.split.trainable_blocks(self.frozen_blocks)
         return trainable[-self.min_active_blocks] if len(trainable) >= self.min_active_blocks else self.frozen_blocks
 
     def _decide(self, trainer: pl.Trainer, epoch: int) -> bool:

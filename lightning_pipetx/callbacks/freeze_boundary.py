@@ -48,7 +48,7 @@ class FreezeBoundary:
             return
         for module in split.prefix_modules(frozen_blocks):
             self._handles.append(module.register_forward_pre_hook(InstalledHook(_keep_eval)))
-        trains = [i for i in range(frozen_blocks, split.num_blocks) if _trains(split.blocks[i])]
+        trains = split.trainable_blocks(frozen_blocks)
         if not trains:
             return
         self.watched = trains[0]
@@ -89,7 +89,3 @@ class FreezeBoundary:
                 f"Face: gradient_checkpointing_enable(gradient_checkpointing_kwargs={{'use_reentrant': False}})), "
                 f"or make the blocks' input require a gradient (Hugging Face: model.enable_input_require_grads())."
             )
-
-
-def _trains(block: nn.Module) -> bool:
-    return any(p.requires_grad for p in block.parameters())

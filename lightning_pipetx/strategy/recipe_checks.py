@@ -101,7 +101,7 @@ class BlockCopyWatch:
     def _probes(self) -> list[tuple[str, torch.Tensor]]:
         """Per copied block, its smallest weight."""
         probes = []
-        roots = copy_roots(self._trainer.lightning_module, self._trainer.callbacks)
+        roots = _copy_roots(self._trainer.lightning_module, self._trainer.callbacks)
         for name, copy in _block_list_copies(roots, self._blocks):
             for index, block in enumerate(copy.children()):
                 weights = list(block.parameters())
@@ -134,7 +134,7 @@ class BlockCopyWatch:
         )
 
 
-def copy_roots(module: torch.nn.Module, callbacks: list[pl.Callback]) -> list[tuple[str, torch.nn.Module]]:
+def _copy_roots(module: torch.nn.Module, callbacks: list[pl.Callback]) -> list[tuple[str, torch.nn.Module]]:
     """Where copies of the block list may be kept: the LightningModule, and modules held by callbacks."""
     roots = [("", module)]
     for callback in callbacks:
