@@ -72,6 +72,44 @@ def test_sequence_first_blocks_are_not_cached(tmp_path, caplog, batch_size, reas
         fit(True, SequenceFirst(), batch_size, tmp_path)
 
 
+class _MultipleChoice(pl.LightningModule):
+    """BERT's multiple-choice head: it flattens ``[batch, choices, length]`` into ``batch * choices`` rows."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import BertForMultipleChoice
+
+        self.model = tm._seeded(0, lambda: BertForMultipleChoice(tm._bert_config(0.0, 1)))
+
+    def training_step(self, batch, batch_idx):
+        ids, labels = batch
+        return self.model(input_ids=ids, labels=labels).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_a_model_that_gives_its_blocks_several_rows_per_sample_is_not_cached_and_the_error_says_so(tmp_path, caplog):
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, tm.VOCAB, (24, 3, tm.SEQ_LEN), generator=generator)
+    data = torch.utils.data.TensorDataset(ids, torch.randint(0, 3, (24,), generator=generator))
+
+    def run(cache):
+        module = _MultipleChoice()
+        trainer = tm.cached_trainer(tmp_path, cache, max_epochs=3)
+        trainer.fit(module, DataLoader(data, batch_size=4, shuffle=True))
+        return module.state_dict()
+
+    uncached = run(False)
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        _same(run("auto"), uncached)
+    messages = [r.message for r in caplog.records if "AutoCache switched off" in r.message]
+    assert len(messages) == 1 and "shape (12, 16, 32) for a micro-batch of 4 samples" in messages[0]
+    assert "3 rows per sample, as a multiple-choice head" in messages[0] and "pass cache=False" in messages[0]
+    with pytest.raises(ValueError, match=r"cache=True\): .* 3 rows per sample.*For several rows per sample, pass"):
+        run(True)
+
+
 def test_batch_first_blocks_with_the_batch_size_of_the_length_are_served_once_their_rows_compared_unchanged(
     tmp_path,
 ):

@@ -293,7 +293,7 @@ class AutoCache:
             return
         hidden, tuple_len = output.tensor, output.tuple_len
         if not self.layout.check(len(indices), tuple(hidden.shape)):
-            self.refuse(self.layout.wrong(len(indices), tuple(hidden.shape)), LAYOUT_FIX)
+            self.refuse(*self.layout.wrong(len(indices), tuple(hidden.shape)))
             return
         shape = tuple(hidden.shape[1:])
         try:

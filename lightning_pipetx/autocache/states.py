@@ -17,6 +17,10 @@ LAYOUT_FIX = (
     "other dimensions of the hidden state (the sequence length), or pass cache=False"
 )
 
+ROWS_PER_SAMPLE_FIX = (
+    "For several rows per sample, pass cache=False (freezing still skips the frozen blocks' backward); "
+    "for sequence-first blocks, use batch-first ones (nn.TransformerEncoderLayer(batch_first=True))"
+)
 
 EXTRA_OUTPUTS = (
     "the frozen blocks return more than their hidden state and the model reads the rest (T5 passes its position "
@@ -69,12 +73,22 @@ class RowLayout:
         self._ambiguous_elsewhere = ambiguous > 0
 
     @staticmethod
-    def wrong(samples: int, shape: tuple[int, ...]) -> str:
-        return (
+    def wrong(samples: int, shape: tuple[int, ...]) -> tuple[str, str]:
+        """Why a state of ``shape`` cannot be kept for ``samples`` samples, and the fix."""
+        causes = "sequence-first blocks, as nn.TransformerEncoderLayer(batch_first=False), put the length first"
+        fix = LAYOUT_FIX
+        if shape and shape[0] > samples and shape[0] % samples == 0:
+            causes = (
+                f"the model gives its blocks {shape[0] // samples} rows per sample, as a multiple-choice head "
+                f"flattens [batch, choices, length] into batch x choices rows, while AutoCache keeps one row per "
+                f"sample; or {causes}"
+            )
+            fix = ROWS_PER_SAMPLE_FIX
+        reason = (
             f"the frozen blocks' hidden state has shape {shape} for a micro-batch of {samples} samples: its first "
-            f"dimension is not the batch (sequence-first blocks, as nn.TransformerEncoderLayer(batch_first=False), "
-            f"put the length first), so its rows cannot be matched with the samples"
+            f"dimension is not the batch ({causes}), so its rows cannot be matched with the samples"
         )
+        return reason, fix
 
     def suspect(self) -> str:
         """Why unproven states whose input changed between epochs are not served."""
