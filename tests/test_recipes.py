@@ -254,6 +254,18 @@ def test_weight_averaging_under_a_pipeline_is_refused(tmp_path):
     assert "EMAWeightAveraging under a 2-stage pipeline" in output and "pipeline_length=1" in output
 
 
+def test_exporting_the_model_during_fit_under_a_pipeline_is_refused_and_works_at_fit_end(tmp_path):
+    # save_pretrained (and torch.save of its state_dict) from a callback on rank 0, the last stage,
+    # whose released copies of the first stage's blocks read NaN until fit ends
+    run_workers("recipes_worker.py", 2, str(tmp_path), "exports")
+    report = json.loads((tmp_path / "exports_rank0.json").read_text())
+    assert len(report["refusals"]) == 2  # at batch 1, and in on_train_end
+    assert all("does not hold blocks [0, 1]" in text and "on_fit_end" in text for text in report["refusals"])
+    assert report["exported_at_fit_end"]
+    final = torch.load(tmp_path / "exports.pt", weights_only=True)["state"]
+    assert all(torch.isfinite(value).all() for value in final.values() if value.is_floating_point())
+
+
 def test_model_pruning_under_a_pipeline_is_refused(tmp_path):
     # Its masks are computed from the values of every weight it prunes; a rank holds only its stage's blocks.
     output = run_workers("recipes_worker.py", 2, str(tmp_path), "pruning", expect_failure=True)

@@ -324,7 +324,9 @@ class ElasticPipelineStrategy(DDPStrategy):
         self.model_to_device()
         self._broadcast_module_state()
         self._split = find_blocks(self.lightning_module, self.blocks)
-        self._store = ParamStore(self._split.blocks)
+        if self._store is not None:
+            self._store.close()
+        self._store = ParamStore(self._split.blocks, self._split.path)
         self._frozen = 0
         self._autodp.reset(self.world_size)
         self._autocache.begin_fit()
@@ -832,7 +834,8 @@ class ElasticPipelineStrategy(DDPStrategy):
             # Until save_checkpoint: every name of a block's tensor (a second name the module gives
             # the blocks, too) and on_save_checkpoint's hooks read the whole model.
             self._store.lend(gathered, prefix)
-        return self.lightning_module.state_dict()  # on the other ranks every key, as under DDP, for the hooks
+        with self._store.reading():  # on the other ranks every key, as under DDP, for the hooks
+            return self.lightning_module.state_dict()
 
     def _stop_before_checkpoint(self) -> None:
         """A checkpoint as the run stops on an exception (Lightning's ``OnExceptionCheckpoint`` saves

@@ -11,17 +11,27 @@ so the optimizer skips it, and it gets real storage again before its values are 
 
 Blocks come back whole (parameters and buffers, such as BatchNorm statistics) from the rank
 that ran them: at the end of a run, and after an exception that every rank took part in.
+Until then a ``state_dict`` of a module holding the block list (the model's, as
+``save_pretrained`` or a copy of the weights asks for it) raises :class:`ReleasedWeightsError`
+instead of returning NaN weights; the strategy's own checkpoints gather every block first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+from collections.abc import Generator, Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_pipetx.strategy.installed import InstalledHook
 from lightning_pipetx.strategy.topology import Layout
+
+
+class ReleasedWeightsError(RuntimeError):
+    """A ``state_dict`` of the model was asked for on a rank that does not hold every block's weights."""
 
 
 def _placeholder(param: nn.Parameter) -> torch.Tensor:
@@ -53,10 +63,40 @@ def broadcast_all(tensors: Iterable[torch.Tensor], src: int, group: dist.Process
 class ParamStore:
     """Releases and restores the storage of block parameters on one rank."""
 
-    def __init__(self, blocks: nn.Module) -> None:
-        self.blocks = blocks
+    def __init__(self, blocks: nn.Module, path: str = "the block list") -> None:
+        self.blocks, self.path = blocks, path
         self._shapes: dict[int, torch.Size] = {}
         self._lent = False
+        self._reading = False
+        self._guard = blocks.register_state_dict_post_hook(InstalledHook(self._refuse_released))
+
+    def close(self) -> None:
+        """Stop guarding the model's ``state_dict`` (a later run has a store of its own)."""
+        self._guard.remove()
+
+    @contextlib.contextmanager
+    def reading(self) -> Generator[None, None, None]:
+        """Let the strategy read a ``state_dict`` whose released weights read NaN (for a checkpoint's
+        hooks on the ranks that do not write it)."""
+        self._reading = True
+        try:
+            yield
+        finally:
+            self._reading = False
+
+    def _refuse_released(self, module: nn.Module, state: Any, prefix: str, metadata: Any) -> None:
+        if self._lent or self._reading:
+            return
+        released = self.released_blocks()
+        if released:
+            raise ReleasedWeightsError(
+                f"state_dict() of a module holding {self.path} on a rank that does not hold blocks {released}: "
+                f"under a pipeline another stage runs them, and their weights read NaN here until fit ends, so "
+                f"an export (save_pretrained, torch.save of the weights, a copy of them) would hold NaN. Save "
+                f"through a checkpoint (ModelCheckpoint or trainer.save_checkpoint gather every block), or after "
+                f"fit (a callback's on_fit_end, or once trainer.fit returned), when every rank holds the whole "
+                f"model again; or pass pipeline_length=1"
+            )
 
     def shape(self, param: nn.Parameter) -> torch.Size:
         return self._shapes.get(id(param), param.shape)

@@ -1,7 +1,7 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
 rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | averaged_model | timm_ema | copied_ema | late_copied_ema | lazy_ema | reference_model_at_fit_start | reference_model_at_fit_start_replicas | reference_model | clamping | hooks_profiled | fp16 | bf16 | occasional_head | occasional_head_in_window | skipped_block | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped) [resume CKPT]
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | averaged_model | timm_ema | copied_ema | late_copied_ema | lazy_ema | reference_model_at_fit_start | reference_model_at_fit_start_replicas | reference_model | clamping | hooks_profiled | fp16 | bf16 | occasional_head | occasional_head_in_window | skipped_block | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped | exports) [resume CKPT]
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do), and
 "own_sampler" turns Lightning's distributed sampler off (the loader shuffles), each from random
@@ -60,6 +60,7 @@ from recipes_cases import (
 from worker_exit import run_worker
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
+from lightning_pipetx.strategy.param_store import ReleasedWeightsError
 
 
 class SeededOrder(torch.utils.data.Sampler):
@@ -104,6 +105,30 @@ class EpochSteps(Callback):
             for values in pl_module.seen.values():
                 values.clear()
         self.rows.append(row)
+
+
+class ExportsTheModel(Callback):
+    """Exports the model's weights from rank 0 as a script would: during fit (refused under a pipeline,
+    whose other stages hold some blocks) and in ``on_fit_end``."""
+
+    def __init__(self):
+        self.refusals, self.at_fit_end = [], None
+
+    def _export(self, pl_module):
+        return {key: value.clone() for key, value in pl_module.model.state_dict().items()}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.is_global_zero and batch_idx == 1:
+            try:
+                self._export(pl_module)
+            except ReleasedWeightsError as error:
+                self.refusals.append(str(error))
+
+    def on_train_end(self, trainer, pl_module):
+        self.on_train_batch_end(trainer, pl_module, None, None, 1)
+
+    def on_fit_end(self, trainer, pl_module):
+        self.at_fit_end = self._export(pl_module)
 
 
 EPOCHS = {
@@ -187,6 +212,7 @@ def main() -> None:
         "stage_norms": ["grad_2.0_norm_total"],
     }
     epochs = EpochSteps(names.get(mode, ()))
+    exports = ExportsTheModel() if mode == "exports" else None
     resume = sys.argv[sys.argv.index("resume") + 1] if "resume" in sys.argv else None
     steps = [ModelCheckpoint(out_dir, save_top_k=-1, every_n_train_steps=6)] if mode == "summed_count" else []
     length = (
@@ -242,6 +268,7 @@ def main() -> None:
         + ([EMAWeightAveraging(decay=0.9)] if mode == "ema" else [])
         + ([block_pruning(module)] if mode.startswith("pruning") else [])
         + ([freeze] if freeze else [])
+        + ([exports] if exports else [])
         + steps,
         logger=False,
         enable_checkpointing=bool(steps),
@@ -281,6 +308,12 @@ def main() -> None:
         report["last_lr"] = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
     elif mode == "step_synced_metric":
         report["train_acc"] = float(trainer.callback_metrics["train_acc"])
+    elif mode == "exports":
+        report["refusals"] = exports.refusals
+        final = module.model.state_dict()
+        report["exported_at_fit_end"] = rank != 0 or all(
+            torch.equal(value, final[key]) for key, value in exports.at_fit_end.items()
+        )
     elif mode == "pruning_replicas":
         report["cache_hit_rate"] = float(trainer.callback_metrics.get("pipetx/cache_hit_rate", -1.0))
     elif mode in ("summed_count", "epoch_metrics", "stage_norms"):
