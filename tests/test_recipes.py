@@ -111,15 +111,19 @@ def test_fp16_loss_scaling_agrees_across_stages(mode, tmp_path):
         torch.testing.assert_close(state[key], value, **tolerance, msg=key)
 
 
-@pytest.mark.parametrize("mode", ["reference_model", "reference_model_at_fit_start_replicas"])
+@pytest.mark.parametrize(
+    "mode", ["reference_model", "reference_model_hidden_states", "reference_model_at_fit_start_replicas"]
+)
 def test_a_frozen_copy_of_the_model_that_the_loss_reads_trains_as_one_process(mode, tmp_path):
     # A reference model (a KL term to a frozen copy's predictions) is built as the model is, as an
     # EMA's copy is, but nothing writes it: it is not refused, and every rank reads its own whole copy.
+    # reference_model_hidden_states: asked for its hidden states after the model call (the last stage
+    # only), which the pipelined model could not give; the teacher runs whole.
     # reference_model_at_fit_start_replicas: copied in on_fit_start on 1x2, as under DDP; the copy
     # took the strategy's forward and hooks along (their process groups cannot be copied: TypeError).
     run_workers("recipes_worker.py", 2, str(tmp_path), mode)
-    pipelined = mode == "reference_model"
-    module = reference_model_module(at_fit_start=not pipelined)
+    pipelined = not mode.endswith("replicas")
+    module = reference_model_module(at_fit_start=not pipelined, hidden_states=mode.endswith("hidden_states"))
     expected = mixed_precision_reference(module, {}, microbatches=2 if pipelined else 1)["state"]
     state = torch.load(tmp_path / f"{mode}.pt", weights_only=True)["state"]
     assert any(key.startswith("reference.") for key in expected)

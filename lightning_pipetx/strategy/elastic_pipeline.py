@@ -368,7 +368,7 @@ class ElasticPipelineStrategy(DDPStrategy):
             lambda norm, optimizer: self._require_engine().grad_sync.clip_by_norm(norm, optimizer),
         )
         self._output_checks = CollectedOutputChecks(
-            self.lightning_module, self._refuse_collected_outputs, self._refuse_random_input_mask
+            self.lightning_module, self._refuse_collected_outputs, self._refuse_random_input_mask, self._split.blocks
         )
         self._output_checks.install()
         self.setup_precision_plugin()

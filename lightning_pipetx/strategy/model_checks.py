@@ -250,7 +250,8 @@ def _forces_hidden_states(module: nn.Module) -> bool:
 
 
 class CollectedOutputChecks:
-    """Installs the checks on every Hugging Face and timm model inside ``root``: ``on_request``
+    """Installs the checks on every Hugging Face and timm model inside ``root`` that holds ``blocks``
+    (every one when None; another model, a frozen teacher, runs whole on every rank): ``on_request``
     hears of outputs of every block asked for, ``on_random_mask`` of an input masked at random."""
 
     def __init__(
@@ -258,8 +259,10 @@ class CollectedOutputChecks:
         root: nn.Module,
         on_request: Callable[[str, str], None],
         on_random_mask: Callable[[str, str], None] | None = None,
+        blocks: nn.Module | None = None,
     ) -> None:
         self.root = root
+        self.blocks = blocks
         self.on_request = on_request
         self.on_random_mask = on_random_mask
         self._handles: list[Any] = []
@@ -267,16 +270,19 @@ class CollectedOutputChecks:
         self._forcing = 0  # calls running whose forward asks its inner model for hidden states regardless
         self._forcing_models: set[int] = set()  # ids of the models whose forward does so
 
+    def _holds_blocks(self, module: nn.Module) -> bool:
+        return self.blocks is None or any(inner is self.blocks for inner in module.modules())
+
     def install(self) -> None:
         for module in self.root.modules():
-            if _is_hf_model(module):
+            if _is_hf_model(module) and self._holds_blocks(module):
                 check = InstalledHook(self._check_call)
                 self._handles.append(module.register_forward_pre_hook(check, with_kwargs=True))
                 if _forces_hidden_states(module):
                     self._forcing_models.add(id(module))
                     ends = InstalledHook(self._forcing_ends)
                     self._handles.append(module.register_forward_hook(ends, always_call=True))
-            elif callable(getattr(type(module), "forward_intermediates", None)):
+            elif callable(getattr(type(module), "forward_intermediates", None)) and self._holds_blocks(module):
                 original = module.forward_intermediates
                 module.forward_intermediates = InstalledForward(original, self._intermediates, module, original)
                 self._wrapped.append(module)

@@ -552,10 +552,12 @@ def lazy_ema_module() -> pl.LightningModule:
     return module
 
 
-def reference_model_module(at_fit_start: bool = False) -> pl.LightningModule:
+def reference_model_module(at_fit_start: bool = False, hidden_states: bool = False) -> pl.LightningModule:
     """A tiny BERT whose loss keeps it close to a frozen copy of itself (a KL term to the copy's
     predictions, as a fine-tune against a reference model): the copy is read, never written. It
-    is made in ``__init__``, or ``at_fit_start`` (in ``on_fit_start``, after the strategy's set-up)."""
+    is made in ``__init__``, or ``at_fit_start`` (in ``on_fit_start``, after the strategy's set-up).
+    With ``hidden_states`` the copy, a teacher, also gives its hidden states, whose last layer's
+    first token weighs each sample's KL term."""
     module = build_case_module({"model": "bert", "lr": 1e-3})
 
     def on_fit_start():
@@ -569,7 +571,12 @@ def reference_model_module(at_fit_start: bool = False) -> pl.LightningModule:
     def training_step(batch, batch_idx):
         out = module.model(**batch)
         with torch.no_grad():
-            reference = module.reference(**batch).logits.log_softmax(-1)
+            teacher = module.reference(**batch, output_hidden_states=hidden_states)
+            reference = teacher.logits.log_softmax(-1)
+        if hidden_states:
+            weight = teacher.hidden_states[-1][:, 0].norm(dim=-1)
+            kl = torch.nn.functional.kl_div(out.logits.log_softmax(-1), reference, log_target=True, reduction="none")
+            return out.loss + 0.1 * (kl.sum(-1) * weight).mean()
         kl = torch.nn.functional.kl_div(out.logits.log_softmax(-1), reference, log_target=True, reduction="batchmean")
         return out.loss + 0.1 * kl
 

@@ -1,7 +1,7 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
 rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | averaged_model | timm_ema | copied_ema | late_copied_ema | lazy_ema | reference_model_at_fit_start | reference_model_at_fit_start_replicas | reference_model | clamping | hooks_profiled | fp16 | bf16 | occasional_head | occasional_head_in_window | skipped_block | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped | exports) [resume CKPT]
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | averaged_model | timm_ema | copied_ema | late_copied_ema | lazy_ema | reference_model_at_fit_start | reference_model_at_fit_start_replicas | reference_model | reference_model_hidden_states | clamping | hooks_profiled | fp16 | bf16 | occasional_head | occasional_head_in_window | skipped_block | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped | exports) [resume CKPT]
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do), and
 "own_sampler" turns Lightning's distributed sampler off (the loader shuffles), each from random
@@ -189,6 +189,7 @@ def main() -> None:
         "late_copied_ema": lambda: copied_ema_module(first_batch=STEPS - 1),
         "lazy_ema": lazy_ema_module,
         "reference_model": reference_model_module,
+        "reference_model_hidden_states": lambda: reference_model_module(hidden_states=True),
         "reference_model_at_fit_start": lambda: reference_model_module(at_fit_start=True),
         "reference_model_at_fit_start_replicas": lambda: reference_model_module(at_fit_start=True),
         "clamping": clamping_module,
@@ -243,6 +244,7 @@ def main() -> None:
             "late_copied_ema",
             "lazy_ema",
             "reference_model_at_fit_start",
+            "reference_model_hidden_states",
             "clamping",
             "lbfgs",
             "sam",
