@@ -286,12 +286,13 @@ def test_pruning_frozen_blocks_of_replicas_switches_their_cache_off_together(tmp
     assert [r["cache_hit_rate"] for r in _reports(tmp_path, "pruning_replicas")] == [0.0, 0.0]
 
 
-def test_a_metric_synced_on_every_step_syncs_over_the_last_stages_under_a_pipeline(tmp_path):
-    # The last stage alone runs the code after the model call: the metric's sync on each update
-    # (dist_sync_on_step=True) must not wait for the first stage, which waits for gradients.
+def test_a_metric_synced_on_every_step_syncs_over_its_stage_s_ranks_under_a_pipeline(tmp_path):
+    # The last stage alone runs the code after the model call: the accuracy's sync on each update
+    # (dist_sync_on_step=True) must not wait for the first stage, which waits for gradients. Every
+    # stage runs the code before it: the labels' mean syncs there on each stage alike.
     run_workers("recipes_worker.py", 2, str(tmp_path), "step_synced_metric")
     expected = step_synced_metric_reference()
-    assert [r["train_acc"] for r in _reports(tmp_path, "step_synced_metric")] == [pytest.approx(expected)] * 2
+    assert [r["values"] for r in _reports(tmp_path, "step_synced_metric")] == [pytest.approx(expected)] * 2
 
 
 @pytest.mark.parametrize("batch_norm", [True, False])

@@ -31,8 +31,9 @@ class MetricGroups:
     """Points the module's torchmetrics metrics at one stage's group while steps run: in
     evaluation, where every stage updates its own copy, so that they sync over one rank per
     replica, not over the world (which would count every replica's samples once per stage); in
-    training, on the last stages (the only ones that reach the code after the model call), so
-    that a metric synced on every update (``dist_sync_on_step``) syncs over the replicas."""
+    training too, so that a metric synced on every update (``dist_sync_on_step``) syncs over the
+    replicas: after the model call on the last stages alone (the only ones that reach that code),
+    before it on every stage alike."""
 
     def __init__(self) -> None:
         self._changed: list[Metric] = []
@@ -204,13 +205,13 @@ class PipelineMetrics:
 
     @contextlib.contextmanager
     def training_step(self, module: nn.Module, topology: Topology) -> Generator[None, None, None]:
-        """Under a pipeline, metrics the last stages update in a training step sync among them; after
-        it every rank forgets the values its metrics' ``compute()`` cached."""
+        """Under a pipeline, metrics a training step updates sync among the ranks of their stage (the
+        last stages alone reach the code after the model call); after it every rank forgets the
+        values its metrics' ``compute()`` cached."""
         if topology.pipeline_length == 1:
             yield
             return
-        if topology.is_last_stage:
-            self._training.enter(step_metrics(module), topology.stage_group)
+        self._training.enter(step_metrics(module), topology.stage_group)
         try:
             yield
         finally:

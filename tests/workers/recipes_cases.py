@@ -120,12 +120,15 @@ def scheduled_reference() -> dict[str, torch.Tensor]:
 
 
 def step_synced_metric_module() -> pl.LightningModule:
-    """A tiny BERT whose training step updates an accuracy synced on every update
-    (``dist_sync_on_step=True``) after the model call, and logs it for the epoch."""
+    """A tiny BERT whose training step updates metrics synced on every update (``dist_sync_on_step=True``),
+    a mean of the labels before the model call and an accuracy after it, and logs them for the epoch."""
     module = build_case_module({"model": "bert", "lr": 1e-3})
+    module.label_mean = MeanMetric(dist_sync_on_step=True)
     module.train_accuracy = MulticlassAccuracy(NUM_LABELS, dist_sync_on_step=True)
 
     def training_step(batch, batch_idx):
+        module.label_mean(batch["labels"].float().mean())
+        module.log("label_mean", module.label_mean, on_step=False, on_epoch=True)
         out = module.model(**batch)
         module.train_accuracy(out.logits.argmax(-1), batch["labels"])
         module.log("train_acc", module.train_accuracy, on_step=False, on_epoch=True)
@@ -135,14 +138,14 @@ def step_synced_metric_module() -> pl.LightningModule:
     return module
 
 
-def step_synced_metric_reference() -> float:
-    """The epoch's training accuracy of :func:`step_synced_metric_module` in one process, same batches."""
+def step_synced_metric_reference() -> dict[str, float]:
+    """The epoch's values of :func:`step_synced_metric_module`'s metrics in one process, same batches."""
     module = step_synced_metric_module()
     dataset = TASKS["bert"].dataset(size=32, seed=1)
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
     trainer = make_trainer([], max_epochs=1)
     trainer.fit(module, train_loader(GLOBAL_BATCH, sampler))
-    return float(trainer.callback_metrics["train_acc"])
+    return {name: float(trainer.callback_metrics[name]) for name in ("train_acc", "label_mean")}
 
 
 class SummedLoss(Metric):

@@ -250,6 +250,7 @@ def main() -> None:
             "sam",
             "sam_accumulated",
             "stage_norms",
+            "step_synced_metric",
             "none_step",
             "occasional_head",
             "occasional_head_in_window",
@@ -309,7 +310,7 @@ def main() -> None:
         report["epochs"] = epochs.rows
         report["last_lr"] = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
     elif mode == "step_synced_metric":
-        report["train_acc"] = float(trainer.callback_metrics["train_acc"])
+        report["values"] = {name: float(trainer.callback_metrics[name]) for name in ("train_acc", "label_mean")}
     elif mode == "exports":
         report["refusals"] = exports.refusals
         final = module.model.state_dict()
