@@ -354,6 +354,8 @@ def test_stages_reading_different_batches_is_an_error(mode, tmp_path):
         ("timm_ema", "WeightAveragingError", "ema is an average of the model's weights (timm's ModelEmaV3)"),
         # A deepcopy moved towards the model after each batch: its copies of the other stage's blocks turned NaN.
         ("copied_ema", "WeightAveragingError", "ema.bert.encoder.layer is a copy of the model's blocks whose weights"),
+        # The same moved in training_step after the model call: on the last stage alone, found on both.
+        ("copied_ema_in_step", "WeightAveragingError", "ema.bert.encoder.layer is a copy of the model's blocks"),
         # The same from the last step on: found as fit ends.
         ("late_copied_ema", "WeightAveragingError", "ema.bert.encoder.layer is a copy of the model's blocks"),
         # Made by a deepcopy at its first update, in the last step: found as fit ends.
@@ -373,6 +375,8 @@ def test_a_step_that_needs_what_other_stages_hold_is_refused_under_a_pipeline(mo
     output = run_workers("recipes_worker.py", 2, str(tmp_path), mode, expect_failure=True)
     assert error in output and text in output
     assert "pipeline_length=1" in output
+    if "ema" in mode:  # every rank stops with it (under NCCL a peer would wait for the others until the timeout)
+        _raised_on_both_ranks(output, f"lightning_pipetx.strategy.lightning_compat.{error}")
 
 
 def test_an_optimizer_that_calls_the_closure_again_in_an_accumulation_window_is_refused(tmp_path):

@@ -13,6 +13,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 
 from lightning_pipetx.autocache import CacheControl
 from lightning_pipetx.strategy.lightning_compat import (
@@ -110,8 +111,9 @@ class BlockCopyWatch:
         return probes
 
     def check(self) -> None:
-        """Raise :class:`WeightAveragingError` where a copy holds NaN (one host read per device the
-        copies are on, where there are copies)."""
+        """Raise :class:`WeightAveragingError` on every rank where a copy holds NaN on one (a
+        collective: one host read per device the copies are on, where there are copies, and a
+        gather of what each rank found, for code that wrote a copy on some stages only)."""
         if self._pipeline_length <= 1:
             return
         by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
@@ -123,6 +125,10 @@ class BlockCopyWatch:
             for (name, _), finite in zip(probes, torch.stack([flag for _, flag in probes]).tolist())
             if not finite
         ]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            found: list[str | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(found, turned[0] if turned else None)
+            turned = [name for name in found if name is not None]
         if not turned:
             return
         name = turned[0].rpartition(".")[0]

@@ -517,9 +517,11 @@ def timm_ema_module() -> pl.LightningModule:
     return module
 
 
-def copied_ema_module(first_batch: int = 0) -> pl.LightningModule:
+def copied_ema_module(first_batch: int = 0, in_step: bool = False) -> pl.LightningModule:
     """A tiny BERT that keeps an exponential moving average of itself by hand: a deepcopy of the
-    model, moved towards its weights after each batch from ``first_batch`` on (a warm-up)."""
+    model, moved towards its weights after each batch from ``first_batch`` on (a warm-up); with
+    ``in_step``, in ``training_step`` after the model call (which under a pipeline the last stage
+    alone reaches)."""
     module = build_case_module({"model": "bert", "lr": 1e-3})
     module.ema = copy.deepcopy(module.model).requires_grad_(False)
 
@@ -530,7 +532,15 @@ def copied_ema_module(first_batch: int = 0) -> pl.LightningModule:
             for average, weight in zip(module.ema.parameters(), module.model.parameters()):
                 average.lerp_(weight, 0.1)
 
-    module.on_train_batch_end = on_train_batch_end
+    def training_step(batch, batch_idx):
+        loss = module.model(**batch).loss
+        on_train_batch_end(None, batch, batch_idx)
+        return loss
+
+    if in_step:
+        module.training_step = training_step
+    else:
+        module.on_train_batch_end = on_train_batch_end
     return module
 
 

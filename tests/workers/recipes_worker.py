@@ -1,7 +1,7 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
 rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | averaged_model | timm_ema | copied_ema | late_copied_ema | lazy_ema | reference_model_at_fit_start | reference_model_at_fit_start_replicas | reference_model | reference_model_hidden_states | clamping | hooks_profiled | fp16 | bf16 | occasional_head | occasional_head_in_window | skipped_block | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped | exports) [resume CKPT]
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | averaged_model | timm_ema | copied_ema | copied_ema_in_step | late_copied_ema | lazy_ema | reference_model_at_fit_start | reference_model_at_fit_start_replicas | reference_model | reference_model_hidden_states | clamping | hooks_profiled | fp16 | bf16 | occasional_head | occasional_head_in_window | skipped_block | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped | exports) [resume CKPT]
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do), and
 "own_sampler" turns Lightning's distributed sampler off (the loader shuffles), each from random
@@ -186,6 +186,7 @@ def main() -> None:
         "averaged_model": averaged_model_module,
         "timm_ema": timm_ema_module,
         "copied_ema": copied_ema_module,
+        "copied_ema_in_step": lambda: copied_ema_module(in_step=True),
         "late_copied_ema": lambda: copied_ema_module(first_batch=STEPS - 1),
         "lazy_ema": lazy_ema_module,
         "reference_model": reference_model_module,
@@ -241,6 +242,7 @@ def main() -> None:
             "averaged_model",
             "timm_ema",
             "copied_ema",
+            "copied_ema_in_step",
             "late_copied_ema",
             "lazy_ema",
             "reference_model_at_fit_start",
