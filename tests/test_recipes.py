@@ -251,6 +251,14 @@ def test_reentrant_checkpointing_of_a_stage_s_last_block_is_refused_under_a_pipe
     assert "checkpoint inside each block's forward" in output
 
 
+def test_reentrant_checkpointing_that_freezing_leaves_without_gradient_stops_every_stage(tmp_path):
+    # Blocks 0 and 1 (the first stage) freeze after epoch 0: the last stage's input needs no gradient,
+    # and its first block, checkpointed reentrantly, gets none. Only that stage sees it; both stop.
+    output = run_workers("recipes_worker.py", 2, str(tmp_path), "reentrant_after_freeze", expect_failure=True)
+    _raised_on_both_ranks(output, "RuntimeError: FreezeCallback")
+    assert "block 2, the first block still training, got no gradient" in output
+
+
 def test_weight_averaging_under_a_pipeline_is_refused(tmp_path):
     # EMA averages every weight after each step; a rank holds only its stage's blocks.
     output = run_workers("recipes_worker.py", 2, str(tmp_path), "ema", expect_failure=True)

@@ -11,7 +11,9 @@ freeze and removed at the end of fit (or when it stops on an error):
   gradient once its input stops requiring one, which freezing the blocks before it causes, and
   the blocks would silently stop training. The block's modules holding weights are watched, so a
   checkpoint taken inside the block's call (Hugging Face's ``GradientCheckpointingLayer``,
-  torch's ``checkpoint_wrapper``) is seen as well as one around it.
+  torch's ``checkpoint_wrapper``) is seen as well as one around it. The first step after each
+  freeze that ran its backward decides, on every rank alike: under a pipeline only the ranks
+  holding the block see it, and the others must not go on to the next step's transfers.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from lightning_pipetx.blocks import BlockSplit
+from lightning_pipetx.callbacks.freeze_context import all_reduce_max
 from lightning_pipetx.checkpointing import in_reentrant_checkpoint
 from lightning_pipetx.strategy.installed import InstalledHook
 
@@ -39,6 +42,7 @@ class FreezeBoundary:
         self.in_training_step = False  # set by FreezeCallback around each training batch
         self._in_checkpoint = False  # the watched block ran inside a reentrant checkpoint's forward
         self._with_grad = False  # ... and with autograd on (a reentrant segment's recompute in the backward)
+        self._unchecked = False  # no step ran its backward since the watched block was chosen
         self._handles: list[Any] = []
 
     def install(self, split: BlockSplit, frozen_blocks: int) -> None:
@@ -51,7 +55,7 @@ class FreezeBoundary:
         trains = split.trainable_blocks(frozen_blocks)
         if not trains:
             return
-        self.watched = trains[0]
+        self.watched, self._unchecked = trains[0], True
         for module in split.blocks[self.watched].modules():
             if any(p.requires_grad for p in module.parameters(recurse=False)):
                 self._handles.append(module.register_forward_pre_hook(InstalledHook(self._enter)))
@@ -60,7 +64,7 @@ class FreezeBoundary:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self.watched, self._in_checkpoint, self._with_grad = None, False, False
+        self.watched, self._in_checkpoint, self._with_grad, self._unchecked = None, False, False, False
 
     def _enter(self, module: nn.Module, args: tuple) -> None:
         if not self.in_training_step:
@@ -73,14 +77,18 @@ class FreezeBoundary:
     def check(self, split: BlockSplit, backward_ran: bool, runs_here: bool) -> None:
         """Before the optimizer steps (``backward_ran``: the step ran its backward, not skipped by a
         ``training_step`` returning None; ``runs_here``: this rank holds the watched block's
-        weights): refuse a step whose watched block ran inside a reentrant checkpoint, never with
-        autograd, and got no gradient."""
-        suspect = self._in_checkpoint and not self._with_grad and backward_ran
+        weights): refuse, on every rank (a collective in the first such step after a freeze), a
+        step whose watched block ran inside a reentrant checkpoint, never with autograd, and got
+        no gradient."""
+        suspect = self._in_checkpoint and not self._with_grad and backward_ran and runs_here
         self._in_checkpoint = self._with_grad = False
-        if not suspect or self.watched is None or not runs_here:
+        if self.watched is None or not self._unchecked or not backward_ran:
             return
+        self._unchecked = False
         params = [p for p in split.blocks[self.watched].parameters() if p.requires_grad]
-        if all(p.grad is None or not bool(p.grad.any()) for p in params):  # zeroed in place: set_to_none=False
+        # zeroed in place: set_to_none=False
+        gradless = suspect and all(p.grad is None or not bool(p.grad.any()) for p in params)
+        if all_reduce_max(torch.tensor([float(gradless)]))[0] > 0:
             raise RuntimeError(
                 f"FreezeCallback: block {self.watched}, the first block still training, got no gradient: it ran "
                 f"in a reentrant activation checkpoint (torch.utils.checkpoint with use_reentrant=True, its "

@@ -9,7 +9,16 @@ import lightning.pytorch as pl
 import torch
 from equivalence_cases import build_case_module
 from lightning.pytorch.plugins import MixedPrecision
-from tiny_models import HIDDEN, NUM_LABELS, TASKS, VOCAB, SharpnessAware, TinySequentialRegressor, make_trainer
+from tiny_models import (
+    HIDDEN,
+    NUM_LABELS,
+    TASKS,
+    VOCAB,
+    ResidualMLPBlock,
+    SharpnessAware,
+    TinySequentialRegressor,
+    make_trainer,
+)
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler
 from torchmetrics import MeanMetric, Metric, SumMetric
@@ -81,6 +90,30 @@ class ReentrantCheckpointing(TinySequentialRegressor):
         for block in self.model.blocks:
             hidden = checkpoint(block, hidden, use_reentrant=True)
         return self.model.head(self.model.norm(hidden))
+
+
+class SelfCheckpointingBlock(ResidualMLPBlock):
+    """A residual block that checkpoints its own forward with torch's reentrant checkpoint where
+    ``checkpointed`` (inside the block's call, as Hugging Face's GradientCheckpointingLayer does)."""
+
+    checkpointed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed:
+            return checkpoint(super().forward, x, use_reentrant=True)
+        return super().forward(x)
+
+
+def self_checkpointing_module(first: int) -> pl.LightningModule:
+    """A tiny regressor whose blocks from ``first`` on checkpoint themselves (reentrant)."""
+    module = TinySequentialRegressor(seed=0, dropout=0.0)
+    blocks = module.model.blocks
+    for index, block in enumerate(blocks):
+        replacement = SelfCheckpointingBlock(block.norm.normalized_shape[0], float(block.scale), dropout=0.0)
+        replacement.load_state_dict(block.state_dict())
+        replacement.checkpointed = index >= first
+        blocks[index] = replacement
+    return module
 
 
 class _InfOnce:

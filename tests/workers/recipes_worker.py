@@ -1,7 +1,7 @@
 """Run a user recipe under ElasticPipelineStrategy (2-stage pipeline; fp16_fused_replicas: 2 replicas);
 rank 0 writes what it saw.
 
-Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | averaged_model | timm_ema | copied_ema | copied_ema_in_step | late_copied_ema | lazy_ema | reference_model_at_fit_start | reference_model_at_fit_start_replicas | reference_model | reference_model_hidden_states | clamping | hooks_profiled | fp16 | bf16 | occasional_head | occasional_head_in_window | skipped_block | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | two_calls | pruning | pruning_replicas | random_collate_popped | exports) [resume CKPT]
+Usage: torchrun --nproc_per_node=2 recipes_worker.py OUT_DIR (hooks | averaged_model | timm_ema | copied_ema | copied_ema_in_step | late_copied_ema | lazy_ema | reference_model_at_fit_start | reference_model_at_fit_start_replicas | reference_model | reference_model_hidden_states | clamping | hooks_profiled | fp16 | bf16 | occasional_head | occasional_head_in_window | skipped_block | fp16_fused | fp16_fused_replicas | random_collate | own_sampler | hidden_states | intermediates | scheduled | scheduled_uneven | scheduled_uneven_sampler | ema | step_synced_metric | summed_count | epoch_metrics | timed_validation | plateau | layerdrop | albert | shared_list | timm_checkpointing | reentrant | reentrant_after_freeze | two_calls | pruning | pruning_replicas | random_collate_popped | exports) [resume CKPT]
 
 "random_collate" masks tokens at random in the collate function (as MLM collators do), and
 "own_sampler" turns Lightning's distributed sampler off (the loader shuffles), each from random
@@ -46,6 +46,7 @@ from recipes_cases import (
     reference_model_module,
     sam_module,
     scheduled_module,
+    self_checkpointing_module,
     shared_list_module,
     skipping_module,
     stage_norms_module,
@@ -141,6 +142,7 @@ EPOCHS = {
     "plateau": 3,
     "pruning_replicas": 4,
     "stage_norms": 2,
+    "reentrant_after_freeze": 2,
 }
 
 
@@ -177,6 +179,8 @@ def main() -> None:
         "shared_list": shared_list_module,
         "timm_checkpointing": timm_checkpointing_module,
         "reentrant": lambda: ReentrantCheckpointing(seed=0, dropout=0.0),
+        # the last stage's blocks (2 and 3 of 4) only: its first block gets no gradient once 0 and 1 froze
+        "reentrant_after_freeze": lambda: self_checkpointing_module(first=2),
         "two_calls": two_calls_module,
         "random_collate_popped": popping_module,
         "between_blocks": deberta_conv_module,
@@ -206,7 +210,7 @@ def main() -> None:
     freeze = FreezeCallback() if mode.startswith(("fp16", "bf16")) else None  # measures gradient norms per step
     if mode.startswith("scheduled_uneven") or mode in ("summed_count", "epoch_metrics", "stage_norms"):  # 2x1 -> 1x2
         freeze = FreezeCallback(alpha=3 / 4, signal="schedule")
-    if mode == "pruning_replicas":  # 2 and 3 of 4 blocks frozen after epochs 0 and 1, pruned after each epoch
+    if mode in ("pruning_replicas", "reentrant_after_freeze"):  # 2 and 3 of 4 blocks frozen after epochs 0 and 1
         freeze = FreezeCallback(alpha=1 / 2, signal="schedule")
     names = {
         "summed_count": ["count", "pipetx/pipeline_length"],
@@ -234,7 +238,8 @@ def main() -> None:
     timeout = timedelta(
         seconds=30
         if mode
-        in ("hidden_states", "intermediates", "timm_checkpointing", "reentrant", "two_calls", "between_blocks")
+        in ("hidden_states", "intermediates", "timm_checkpointing", "reentrant", "reentrant_after_freeze")
+        + ("two_calls", "between_blocks")
         + (
             "block_hooks",
             "block_hooks_inside",
@@ -263,7 +268,9 @@ def main() -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=ElasticPipelineStrategy(pipeline_length=length, num_microbatches=2, timeout=timeout),
+        strategy=ElasticPipelineStrategy(
+            pipeline_length=length, num_microbatches=2, timeout=timeout, elastic=mode != "reentrant_after_freeze"
+        ),
         plugins=[fp16_plugin()] if mode.startswith("fp16") else None,
         precision="bf16-mixed" if mode == "bf16" else None,
         use_distributed_sampler=mode != "own_sampler",
@@ -291,6 +298,7 @@ def main() -> None:
         "intermediates": "timm_vit",
         "timm_checkpointing": "timm_vit",
         "reentrant": "sequential",
+        "reentrant_after_freeze": "sequential",
         "skipped_block": "sequential",
     }.get(mode, "bert")
     loader = train_loader(batch, task=task)
