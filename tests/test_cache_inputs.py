@@ -72,6 +72,32 @@ def test_sequence_first_blocks_are_not_cached(tmp_path, caplog, batch_size, reas
         fit(True, SequenceFirst(), batch_size, tmp_path)
 
 
+class _ShorterFromEpoch3(tm.TinyBertClassifier):
+    """A sequence-length warm-up in the step: the first 8 of the 16 tokens from epoch 3 on."""
+
+    def __init__(self):
+        super().__init__(seed=0, dropout=0.0)
+
+    def training_step(self, batch, batch_idx):
+        if self.current_epoch >= 3:
+            batch = {key: value if key == "labels" else value[:, :8] for key, value in batch.items()}
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_step_that_changes_its_batch_s_shape_after_states_were_cached_is_not_served_them(tmp_path, caplog):
+    # The loader's batches keep their shape; what enters block 0 shrinks from 16 to 8 tokens.
+    uncached, _ = fit(False, _ShorterFromEpoch3(), 8, tmp_path, epochs=5)
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        cached, rates = fit("auto", _ShorterFromEpoch3(), 8, tmp_path, epochs=5)
+    _same(cached, uncached)
+    assert rates[:3] == [None, 0.0, 0.0] and rates[3] == 0.0
+    messages = [r.message for r in caplog.records if "AutoCache switched off" in r.message]
+    assert (
+        len(messages) == 1
+        and "entering block 0 has the per-sample shape (8, 32), the run's first (16, 32)" in (messages[0])
+    )
+
+
 class _MultipleChoice(pl.LightningModule):
     """BERT's multiple-choice head: it flattens ``[batch, choices, length]`` into ``batch * choices`` rows."""
 

@@ -75,6 +75,7 @@ class AutoCache:
         self._reloaded = False  # the loader's hook ran again: strict from then on (its inputs may not be tensors)
         self.enabled = True
         self.input_shapes: list[tuple[int, ...]] | None = None  # of one sample, per tensor of the first batch
+        self.prefix_input_shape: tuple[int, ...] | None = None  # of one sample's hidden state entering block 0
         self.fills = True  # caches the samples drop_last leaves out (off once the user's step failed on them)
         self.dropped: set[str] = set()  # tiers measured slower than computing the prefix
         self.counts = EpochCounts()
@@ -224,10 +225,12 @@ class AutoCache:
         """The deepest depth ``<= depth`` at which every sample is cached (0: none)."""
         return self._level(indices, depth)[0]
 
-    def lookup(self, indices: torch.Tensor, depth: int, count: bool = True) -> tuple[int, torch.Tensor | None, int]:
-        """The deepest depth ``<= depth`` at which every sample is cached: (depth, states, tuple_len).
-        ``count``: a training batch's lookup, counted in the epoch's hit rate and tiers served."""
-        counts = self.counts if count else EpochCounts()
+    def lookup(
+        self, indices: torch.Tensor, depth: int, counts: EpochCounts | None = None
+    ) -> tuple[int, torch.Tensor | None, int]:
+        """The deepest depth ``<= depth`` at which every sample is cached: (depth, states, tuple_len),
+        counted in ``counts`` (by default the epoch's hit rate and tiers served)."""
+        counts = self.counts if counts is None else counts
         counts.lookups += len(indices)
         if not self.serving:
             return 0, None, 0

@@ -36,3 +36,12 @@ class EpochCounts:
     served: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # samples per tier
     served_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     prefetched: int = 0  # samples whose states were read a step ahead
+
+    def add(self, other: EpochCounts) -> None:
+        self.hits += other.hits
+        self.lookups += other.lookups
+        self.prefetched += other.prefetched
+        for name, samples in other.served.items():
+            self.served[name] += samples
+        for name, size in other.served_bytes.items():
+            self.served_bytes[name] += size

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from lightning_pipetx.autocache.cache import AutoCache
+from lightning_pipetx.autocache.entries import EpochCounts
 from lightning_pipetx.autocache.extra_outputs import ExtraOutputReads
 from lightning_pipetx.autocache.random_streams import random_state_kept
 from lightning_pipetx.strategy.fingerprint import hidden_state_fingerprints, sample_fingerprints
@@ -28,6 +29,7 @@ class CachedPrefix:
         self.cache = cache
         self.hooks = hooks
         self.device = device
+        self._unserved = False  # the micro-batch's states, looked up, were not served after all
 
     def begin_step(
         self, batch: Any, indices: torch.Tensor, sizes: list[int], depth: int
@@ -87,8 +89,23 @@ class CachedPrefix:
         self.cache.guard.observe(indices, sample_fingerprints(batch, len(indices), self.device))
 
     def _observe_prefix_input(self, indices: torch.Tensor, hidden: torch.Tensor) -> None:
-        if hidden.dim() > 0 and hidden.shape[0] == len(indices):  # one row per sample
-            self.cache.prefix_guard.observe(indices, hidden_state_fingerprints(hidden, self.device))
+        if hidden.dim() == 0 or hidden.shape[0] != len(indices):  # not one row per sample
+            return
+        cache, shape = self.cache, tuple(hidden.shape[1:])
+        if cache.prefix_input_shape is None:
+            cache.prefix_input_shape = shape
+        elif shape != cache.prefix_input_shape and cache.enabled:
+            cache.disable(
+                f"the hidden state entering block 0 has the per-sample shape {shape}, the run's first "
+                f"{cache.prefix_input_shape}: a training_step that changes its batch's shape before the model call "
+                f"(a sequence-length warm-up, a crop), or a model that trims its input by batch, so the cached "
+                f"states, of the other shape, cannot stand for its frozen blocks. Keep that shape fixed to use the "
+                f"cache, or pass cache=False."
+            )
+            self.hooks.skip_until = 0  # this micro-batch, looked up before, runs its frozen blocks too
+            self._unserved = True
+            return
+        cache.prefix_guard.observe(indices, hidden_state_fingerprints(hidden, self.device))
 
     def fill(self, indices: torch.Tensor, depth: int, load: Callable[[], Any], run: Callable[[Any], Any]) -> None:
         """Cache the frozen prefix of samples that no batch of the epoch held (``drop_last``):
@@ -129,7 +146,9 @@ class CachedPrefix:
     def _microbatch(self, indices: torch.Tensor, depth: int, stop_at_capture: bool = False) -> Iterator[None]:
         hooks, cache = self.hooks, self.cache
         hooks.on_prefix_input = lambda hidden: self._observe_prefix_input(indices, hidden)
-        level, states, tuple_len = cache.lookup(indices, depth, count=not stop_at_capture)
+        looked = EpochCounts()
+        level, states, tuple_len = cache.lookup(indices, depth, looked)
+        self._unserved = False
         if states is not None:
             hooks.incoming = Activation.of_hidden(states, tuple_len)
             hooks.skip_until = level
@@ -157,6 +176,8 @@ class CachedPrefix:
         finally:
             for watch in reads:
                 watch.stop()
+            if not stop_at_capture:  # a training batch's lookup counts in the epoch's hit rate
+                cache.counts.add(EpochCounts(lookups=looked.lookups) if self._unserved else looked)
             captured_state = hooks.captured
             hooks.skip_until, hooks.capture_at, hooks.captured = 0, -1, None
             hooks.on_first_block = hooks.on_capture = hooks.on_prefix_input = hooks.on_uncacheable = None
