@@ -98,6 +98,28 @@ def test_a_step_that_changes_its_batch_s_shape_after_states_were_cached_is_not_s
     )
 
 
+def _longest_first(samples):
+    """A collate_fn that sorts a batch's samples by length, longest first (as length-bucketing code does)."""
+    ordered = sorted(samples, key=lambda sample: -int(sample["attention_mask"].sum()))
+    return torch.utils.data.default_collate(ordered)
+
+
+def test_a_collate_fn_that_reorders_a_batch_s_samples_turns_the_cache_off_naming_it(tmp_path, caplog):
+    data = tm.RandomTokenDataset(size=32, seed=1)
+
+    def run(cache):
+        module = tm.TinyBertClassifier(seed=0, dropout=0.0)
+        trainer = tm.cached_trainer(tmp_path, cache, max_epochs=4)
+        trainer.fit(module, DataLoader(data, batch_size=8, shuffle=True, collate_fn=_longest_first))
+        return module.state_dict()
+
+    uncached = run(False)
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        _same(run("auto"), uncached)
+    messages = [r.message for r in caplog.records if "AutoCache switched off" in r.message]
+    assert len(messages) == 1 and "a collate_fn that reorders the samples of a batch" in messages[0]
+
+
 class _MultipleChoice(pl.LightningModule):
     """BERT's multiple-choice head: it flattens ``[batch, choices, length]`` into ``batch * choices`` rows."""
 

@@ -54,8 +54,9 @@ def trainable_prefix_reason(names: list[str]) -> str:
 
 CHANGED_INPUT = (
     "a sample's input changed between epochs (random augmentation, dynamic padding that pads it to another "
-    "length, or a dataset a reload changed in place). Cache only deterministic, fixed-shape inputs, or pass "
-    "cache=False."
+    "length, a dataset a reload changed in place, or a collate_fn that reorders the samples of a batch, so that "
+    "its rows are not in the sampler's order). Cache only deterministic, fixed-shape inputs in the sampler's "
+    "order, or pass cache=False."
 )
 
 CHANGED_PREFIX_INPUT = (
