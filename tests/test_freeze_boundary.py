@@ -220,6 +220,32 @@ def test_a_block_that_skips_itself_is_not_taken_for_a_checkpoint():
     assert freeze.frozen_blocks == 3
 
 
+class SkipsItselfAtStep4(torch.nn.Module):
+    """A block that skips itself at global step 4 only (a LayerDrop draw made deterministic)."""
+
+    def __init__(self, inner, owner):
+        super().__init__()
+        self.inner, self._owner = inner, [owner]  # in a list: not a submodule
+
+    def forward(self, x):
+        return x if self.training and self._owner[0].trainer.global_step == 4 else self.inner(x)
+
+
+class CheckpointedBlocksSkippingAtStep4(CheckpointedBlocks):
+    def __init__(self):
+        super().__init__(use_reentrant=True)
+        for index, block in enumerate(self.model.blocks):
+            self.model.blocks[index] = SkipsItselfAtStep4(block, self)
+
+
+def test_reentrant_checkpointing_is_refused_at_a_later_step_where_the_block_skipped_the_first():
+    # Step 4, the first after the freeze, runs without the watched block 1: the step after it is checked.
+    trainer = tm.make_trainer([FreezeCallback(**FREEZE_ONE_PER_EPOCH)], max_epochs=3)
+    with pytest.raises(RuntimeError, match="block 1, the first block still training, got no gradient"):
+        trainer.fit(CheckpointedBlocksSkippingAtStep4(), tm.task_loader("sequential", size=16, batch_size=4))
+    assert trainer.global_step == 5
+
+
 class UntrainedFirstActiveBlock(CheckpointedBlocks):
     """Block 1 trains nothing (an adapter left off it); blocks 2 and 3 run in reentrant segments."""
 

@@ -274,6 +274,9 @@ def test_exporting_the_model_during_fit_under_a_pipeline_is_refused_and_works_at
     assert len(report["refusals"]) == 2  # at batch 1, and in on_train_end
     assert all("does not hold blocks [0, 1]" in text and "on_fit_end" in text for text in report["refusals"])
     assert report["exported_at_fit_end"]
+    # a checkpoint's hooks read the whole model on rank 0, which writes it, and every key on rank 1
+    assert report["saved_finite"] == [True]
+    assert _reports(tmp_path, "exports")[1]["saved_finite"] == [False]
     final = torch.load(tmp_path / "exports.pt", weights_only=True)["state"]
     assert all(torch.isfinite(value).all() for value in final.values() if value.is_floating_point())
 

@@ -751,6 +751,25 @@ def test_a_model_masking_its_input_at_random_is_not_heard_of_when_given_the_nois
     assert heard == []
 
 
+def test_outputs_of_every_block_are_heard_of_for_the_model_running_the_blocks_only():
+    # A second list over the model's layers (the block list found) still has the model checked; a
+    # frozen teacher, a copy of the model, runs whole on every rank and is not.
+    from lightning_pipetx.strategy.model_checks import CollectedOutputChecks
+
+    module = build_task("bert")
+    module.layers = torch.nn.ModuleList(list(module.model.bert.encoder.layer))
+    module.teacher = copy.deepcopy(module.model)
+    heard = []
+    checks = CollectedOutputChecks(module, lambda name, what: heard.append((name, what)), blocks=module.layers)
+    checks.install()
+    tokens = torch.randint(2, 100, (2, 6))
+    module.teacher(tokens, output_hidden_states=True)
+    assert heard == []
+    module.model(tokens, output_hidden_states=True)
+    checks.remove()
+    assert heard[0] == ("BertForSequenceClassification", "output_hidden_states")
+
+
 def test_numpy_integers_are_whole_numbers_for_the_strategy():
     import numpy as np
 

@@ -12,8 +12,10 @@ freeze and removed at the end of fit (or when it stops on an error):
   the blocks would silently stop training. The block's modules holding weights are watched, so a
   checkpoint taken inside the block's call (Hugging Face's ``GradientCheckpointingLayer``,
   torch's ``checkpoint_wrapper``) is seen as well as one around it. The first step after each
-  freeze that ran its backward decides, on every rank alike: under a pipeline only the ranks
-  holding the block see it, and the others must not go on to the next step's transfers.
+  freeze that ran its backward decides on every rank alike (under a pipeline only the ranks
+  holding the block see it, and the others must not go on to the next step's transfers); a
+  later step (the block skipped itself before, or checkpointing began later) stops the ranks
+  holding the block.
 """
 
 from __future__ import annotations
@@ -77,18 +79,20 @@ class FreezeBoundary:
     def check(self, split: BlockSplit, backward_ran: bool, runs_here: bool) -> None:
         """Before the optimizer steps (``backward_ran``: the step ran its backward, not skipped by a
         ``training_step`` returning None; ``runs_here``: this rank holds the watched block's
-        weights): refuse, on every rank (a collective in the first such step after a freeze), a
-        step whose watched block ran inside a reentrant checkpoint, never with autograd, and got
-        no gradient."""
+        weights): refuse a step whose watched block ran inside a reentrant checkpoint, never with
+        autograd, and got no gradient; in the first such step after a freeze on every rank (a
+        collective), later on the ranks holding the block."""
         suspect = self._in_checkpoint and not self._with_grad and backward_ran and runs_here
         self._in_checkpoint = self._with_grad = False
-        if self.watched is None or not self._unchecked or not backward_ran:
+        if self.watched is None or not backward_ran:
             return
-        self._unchecked = False
         params = [p for p in split.blocks[self.watched].parameters() if p.requires_grad]
         # zeroed in place: set_to_none=False
         gradless = suspect and all(p.grad is None or not bool(p.grad.any()) for p in params)
-        if all_reduce_max(torch.tensor([float(gradless)]))[0] > 0:
+        if self._unchecked:  # the first step after a freeze: every rank decides alike
+            self._unchecked = False
+            gradless = bool(all_reduce_max(torch.tensor([float(gradless)]))[0] > 0)
+        if gradless:
             raise RuntimeError(
                 f"FreezeCallback: block {self.watched}, the first block still training, got no gradient: it ran "
                 f"in a reentrant activation checkpoint (torch.utils.checkpoint with use_reentrant=True, its "

@@ -830,12 +830,13 @@ class ElasticPipelineStrategy(DDPStrategy):
         engine.share_pre_buffers()
         prefix = self._split.path + "."
         gathered = engine.block_state(prefix)
+        # Until save_checkpoint: every name of a block's tensor (a second name the module gives the
+        # blocks, too) and on_save_checkpoint's hooks read the whole model on global rank 0, which
+        # writes it, and every key on the others, as under DDP (the other stages' blocks NaN there).
         if self.is_global_zero:
-            # Until save_checkpoint: every name of a block's tensor (a second name the module gives
-            # the blocks, too) and on_save_checkpoint's hooks read the whole model.
             self._store.lend(gathered, prefix)
-        with self._store.reading():  # on the other ranks every key, as under DDP, for the hooks
-            return self.lightning_module.state_dict()
+        self._store.permit_reads()
+        return self.lightning_module.state_dict()
 
     def _stop_before_checkpoint(self) -> None:
         """A checkpoint as the run stops on an exception (Lightning's ``OnExceptionCheckpoint`` saves

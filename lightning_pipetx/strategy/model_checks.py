@@ -271,7 +271,12 @@ class CollectedOutputChecks:
         self._forcing_models: set[int] = set()  # ids of the models whose forward does so
 
     def _holds_blocks(self, module: nn.Module) -> bool:
-        return self.blocks is None or any(inner is self.blocks for inner in module.modules())
+        """Whether ``module`` runs one of the blocks (through the block list, or a list of its own
+        over the same layers)."""
+        if self.blocks is None:
+            return True
+        blocks = {id(block) for block in self.blocks}
+        return any(id(inner) in blocks for inner in module.modules())
 
     def install(self) -> None:
         for module in self.root.modules():

@@ -18,8 +18,7 @@ instead of returning NaN weights; the strategy's own checkpoints gather every bl
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Generator, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -74,15 +73,10 @@ class ParamStore:
         """Stop guarding the model's ``state_dict`` (a later run has a store of its own)."""
         self._guard.remove()
 
-    @contextlib.contextmanager
-    def reading(self) -> Generator[None, None, None]:
-        """Let the strategy read a ``state_dict`` whose released weights read NaN (for a checkpoint's
-        hooks on the ranks that do not write it)."""
+    def permit_reads(self) -> None:
+        """Let ``state_dict`` read the released weights as NaN until :meth:`take_back`: a checkpoint's
+        hooks (``on_save_checkpoint``) on the ranks that do not write it, as under DDP."""
         self._reading = True
-        try:
-            yield
-        finally:
-            self._reading = False
 
     def _refuse_released(self, module: nn.Module, state: Any, prefix: str, metadata: Any) -> None:
         if self._lent or self._reading:
@@ -91,11 +85,11 @@ class ParamStore:
         if released:
             raise ReleasedWeightsError(
                 f"state_dict() of a module holding {self.path} on a rank that does not hold blocks {released}: "
-                f"under a pipeline another stage runs them, and their weights read NaN here until fit ends, so "
-                f"an export (save_pretrained, torch.save of the weights, a copy of them) would hold NaN. Save "
-                f"through a checkpoint (ModelCheckpoint or trainer.save_checkpoint gather every block), or after "
-                f"fit (a callback's on_fit_end, or once trainer.fit returned), when every rank holds the whole "
-                f"model again; or pass pipeline_length=1"
+                f"under a pipeline another stage runs them, and their weights read NaN here until the run (fit, "
+                f"validate, test or predict) ends, so an export (save_pretrained, torch.save of the weights, a copy "
+                f"of them) would hold NaN. Save through a checkpoint (ModelCheckpoint or trainer.save_checkpoint "
+                f"gather every block), or after the run (a callback's on_fit_end, or once trainer.fit returned), "
+                f"when every rank holds the whole model again; or pass pipeline_length=1"
             )
 
     def shape(self, param: nn.Parameter) -> torch.Size:
@@ -139,7 +133,9 @@ class ParamStore:
                     tensor.data.copy_(value)
 
     def take_back(self) -> None:
-        """Release again the weights :meth:`lend` lent (a released weight reads NaN)."""
+        """Release again the weights :meth:`lend` lent (a released weight reads NaN), and end
+        :meth:`permit_reads`."""
+        self._reading = False
         if not self._lent:
             return
         self._lent = False

@@ -113,7 +113,7 @@ class ExportsTheModel(Callback):
     whose other stages hold some blocks) and in ``on_fit_end``."""
 
     def __init__(self):
-        self.refusals, self.at_fit_end = [], None
+        self.refusals, self.at_fit_end, self.saved_finite = [], None, []
 
     def _export(self, pl_module):
         return {key: value.clone() for key, value in pl_module.model.state_dict().items()}
@@ -130,6 +130,11 @@ class ExportsTheModel(Callback):
 
     def on_fit_end(self, trainer, pl_module):
         self.at_fit_end = self._export(pl_module)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        # every rank, as under DDP (a trainable-only checkpoint); the weights rank 0 writes are whole
+        state = pl_module.state_dict()
+        self.saved_finite.append(all(bool(value.isfinite().all()) for value in state.values()))
 
 
 EPOCHS = {
@@ -221,6 +226,8 @@ def main() -> None:
     exports = ExportsTheModel() if mode == "exports" else None
     resume = sys.argv[sys.argv.index("resume") + 1] if "resume" in sys.argv else None
     steps = [ModelCheckpoint(out_dir, save_top_k=-1, every_n_train_steps=6)] if mode == "summed_count" else []
+    if mode == "exports":
+        steps = [ModelCheckpoint(out_dir, save_top_k=-1, every_n_train_steps=2)]
     length = (
         1
         if mode
@@ -323,6 +330,7 @@ def main() -> None:
         report["values"] = {name: float(trainer.callback_metrics[name]) for name in ("train_acc", "label_mean")}
     elif mode == "exports":
         report["refusals"] = exports.refusals
+        report["saved_finite"] = exports.saved_finite
         final = module.model.state_dict()
         report["exported_at_fit_end"] = rank != 0 or all(
             torch.equal(value, final[key]) for key, value in exports.at_fit_end.items()
