@@ -5,6 +5,21 @@ import logging
 from lightning_pipetx.blocks import BlockListNotFoundError, BlockSplit, find_blocks
 from lightning_pipetx.callbacks import EpochReport, FreezeCallback
 from lightning_pipetx.strategy import ElasticPipelineStrategy, Layout
+from lightning_pipetx.strategy.failure import CheckpointAfterFailureError
+from lightning_pipetx.strategy.lightning_compat import WeightAveragingError
+from lightning_pipetx.strategy.loss_scaling import OverflowAgreementError
+from lightning_pipetx.strategy.model_checks import (
+    ManualOptimizationError,
+    UnsupportedOutputsError,
+    UnsupportedRecipeError,
+)
+from lightning_pipetx.strategy.p2p import PeerError
+from lightning_pipetx.strategy.param_store import ReleasedWeightsError
+from lightning_pipetx.strategy.stage_runner import BatchMismatchError
+
+# isort: split
+# AutoCache's modules import the strategy's: after it.
+from lightning_pipetx.autocache import FrozenWeightsChangedError, TrainablePrefixError
 
 __version__ = "0.1.0"
 
@@ -17,11 +32,22 @@ if not logging.getLogger().hasHandlers():
     _logger.propagate = False
 
 __all__ = [
+    "BatchMismatchError",
     "BlockListNotFoundError",
     "BlockSplit",
+    "CheckpointAfterFailureError",
     "ElasticPipelineStrategy",
     "EpochReport",
     "FreezeCallback",
+    "FrozenWeightsChangedError",
     "Layout",
+    "ManualOptimizationError",
+    "OverflowAgreementError",
+    "PeerError",
+    "ReleasedWeightsError",
+    "TrainablePrefixError",
+    "UnsupportedOutputsError",
+    "UnsupportedRecipeError",
+    "WeightAveragingError",
     "find_blocks",
 ]

@@ -770,6 +770,19 @@ def test_outputs_of_every_block_are_heard_of_for_the_model_running_the_blocks_on
     assert heard[0] == ("BertForSequenceClassification", "output_hidden_states")
 
 
+def test_every_error_the_readme_names_imports_from_the_package():
+    import builtins
+    import re
+    from pathlib import Path
+
+    import lightning_pipetx
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    named = set(re.findall(r"`(\w+Error)`", readme)) - set(dir(builtins))
+    assert named and all(issubclass(getattr(lightning_pipetx, name), Exception) for name in named), named
+    assert named <= set(lightning_pipetx.__all__)
+
+
 def test_numpy_integers_are_whole_numbers_for_the_strategy():
     import numpy as np
 
