@@ -1,6 +1,7 @@
 """AutoCache and what its keys rest on: batch-first hidden states, and one training loader of batches."""
 
 import dataclasses
+import json
 import random
 
 import lightning.pytorch as pl
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 import tiny_models as tm
 import torch
+from distributed import run_workers
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -96,6 +98,17 @@ def test_a_step_that_changes_its_batch_s_shape_after_states_were_cached_is_not_s
         len(messages) == 1
         and "entering block 0 has the per-sample shape (8, 32), the run's first (16, 32)" in (messages[0])
     )
+
+
+def test_a_rank_that_becomes_a_first_stage_compares_the_shape_entering_block_0_with_the_run_s(tmp_path):
+    # Rank 0, the last stage of 2x1, first computes block 0 in 1x2, from epoch 2, when the step starts
+    # cropping its batch: it must know the shape the first stage saw, and serve none of its states.
+    for cache in ("false", "auto"):
+        run_workers("shape_change_worker.py", 2, str(tmp_path), cache, "2")
+    reports = {cache: json.loads((tmp_path / f"{cache}.json").read_text()) for cache in ("false", "auto")}
+    assert reports["auto"]["layouts"] == ["2x1", "2x1", "1x2", "1x2"]
+    assert reports["auto"]["rates"][2:] == [0.0, 0.0]
+    _same(torch.load(tmp_path / "auto.pt"), torch.load(tmp_path / "false.pt"))
 
 
 def _longest_first(samples):

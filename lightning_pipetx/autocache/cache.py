@@ -164,6 +164,7 @@ class AutoCache:
         ).to(self.device, torch.float64)
         if group_size > 1:
             dist.all_reduce(flags)
+            self._agree_prefix_input_shape(group_size)
         compared, changed, prefix_compared, prefix_changed, disabled, *layout_flags = flags.tolist()
         self.layout.agree(layout_flags[:2])
         slow_flags = layout_flags[2:]
@@ -185,6 +186,14 @@ class AutoCache:
                 self.dropped.update(TIER_NAMES[TIER_NAMES.index(name) :] if name == "host" else (name,))
                 self._prefetched = None
                 log.info("pipetx: %s stops using its %s tier: %s", self.label, name, self.watch.explain(name))
+
+    def _agree_prefix_input_shape(self, group_size: int) -> None:
+        """Every rank takes the block-0 input shape a first stage saw (collective): a rank that is
+        a first stage only after a transition compares with it too."""
+        shapes: list[tuple[int, ...] | None] = [None] * group_size
+        dist.all_gather_object(shapes, self.prefix_input_shape)
+        if self.prefix_input_shape is None:
+            self.prefix_input_shape = next((shape for shape in shapes if shape is not None), None)
 
     # ------------------------------------------------------------- entries
     def _level(self, indices: torch.Tensor, depth: int) -> tuple[int, list[Tier], list[torch.Tensor]]:
