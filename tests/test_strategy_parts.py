@@ -770,8 +770,11 @@ def test_outputs_of_every_block_are_heard_of_for_the_model_running_the_blocks_on
     assert heard[0] == ("BertForSequenceClassification", "output_hidden_states")
 
 
-def test_every_error_the_readme_names_imports_from_the_package():
+def test_every_error_of_the_package_and_of_the_readme_imports_from_the_package():
     import builtins
+    import importlib
+    import inspect
+    import pkgutil
     import re
     from pathlib import Path
 
@@ -779,8 +782,14 @@ def test_every_error_the_readme_names_imports_from_the_package():
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     named = set(re.findall(r"`(\w+Error)`", readme)) - set(dir(builtins))
-    assert named and all(issubclass(getattr(lightning_pipetx, name), Exception) for name in named), named
-    assert named <= set(lightning_pipetx.__all__)
+    defined = {
+        name
+        for info in pkgutil.walk_packages(lightning_pipetx.__path__, "lightning_pipetx.")
+        for name, value in vars(importlib.import_module(info.name)).items()
+        if inspect.isclass(value) and issubclass(value, Exception) and name.endswith("Error")
+        if value.__module__.startswith("lightning_pipetx")
+    }
+    assert named and named <= defined <= set(lightning_pipetx.__all__), (named, defined)
 
 
 def test_numpy_integers_are_whole_numbers_for_the_strategy():
