@@ -117,20 +117,28 @@ def _longest_first(samples):
     return torch.utils.data.default_collate(ordered)
 
 
+def _fit_on(cache, make_module, loader, tmp_path, epochs):
+    module = make_module()
+    tm.cached_trainer(tmp_path, cache, max_epochs=epochs).fit(module, loader)
+    return module.state_dict()
+
+
+def _switched_off(make_module, loader, tmp_path, caplog, epochs):
+    """Fit with the cache off, then on (``"auto"``): the same weights, and the one warning that
+    switched it off."""
+    uncached = _fit_on(False, make_module, loader, tmp_path, epochs)
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        _same(_fit_on("auto", make_module, loader, tmp_path, epochs), uncached)
+    messages = [r.message for r in caplog.records if "AutoCache switched off" in r.message]
+    assert len(messages) == 1
+    return messages[0]
+
+
 def test_a_collate_fn_that_reorders_a_batch_s_samples_turns_the_cache_off_naming_it(tmp_path, caplog):
     data = tm.RandomTokenDataset(size=32, seed=1)
-
-    def run(cache):
-        module = tm.TinyBertClassifier(seed=0, dropout=0.0)
-        trainer = tm.cached_trainer(tmp_path, cache, max_epochs=4)
-        trainer.fit(module, DataLoader(data, batch_size=8, shuffle=True, collate_fn=_longest_first))
-        return module.state_dict()
-
-    uncached = run(False)
-    with caplog.at_level("WARNING", logger="lightning_pipetx"):
-        _same(run("auto"), uncached)
-    messages = [r.message for r in caplog.records if "AutoCache switched off" in r.message]
-    assert len(messages) == 1 and "a collate_fn that reorders the samples of a batch" in messages[0]
+    loader = DataLoader(data, batch_size=8, shuffle=True, collate_fn=_longest_first)
+    message = _switched_off(lambda: tm.TinyBertClassifier(seed=0, dropout=0.0), loader, tmp_path, caplog, 4)
+    assert "a collate_fn that reorders the samples of a batch" in message
 
 
 class _MultipleChoice(pl.LightningModule):
@@ -154,21 +162,12 @@ def test_a_model_that_gives_its_blocks_several_rows_per_sample_is_not_cached_and
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(2, tm.VOCAB, (24, 3, tm.SEQ_LEN), generator=generator)
     data = torch.utils.data.TensorDataset(ids, torch.randint(0, 3, (24,), generator=generator))
-
-    def run(cache):
-        module = _MultipleChoice()
-        trainer = tm.cached_trainer(tmp_path, cache, max_epochs=3)
-        trainer.fit(module, DataLoader(data, batch_size=4, shuffle=True))
-        return module.state_dict()
-
-    uncached = run(False)
-    with caplog.at_level("WARNING", logger="lightning_pipetx"):
-        _same(run("auto"), uncached)
-    messages = [r.message for r in caplog.records if "AutoCache switched off" in r.message]
-    assert len(messages) == 1 and "shape (12, 16, 32) for a micro-batch of 4 samples" in messages[0]
-    assert "3 rows per sample, as a multiple-choice head" in messages[0] and "pass cache=False" in messages[0]
+    loader = DataLoader(data, batch_size=4, shuffle=True)
+    message = _switched_off(_MultipleChoice, loader, tmp_path, caplog, 3)
+    assert "shape (12, 16, 32) for a micro-batch of 4 samples" in message
+    assert "3 rows per sample, as a multiple-choice head" in message and "pass cache=False" in message
     with pytest.raises(ValueError, match=r"cache=True\): .* 3 rows per sample.*For several rows per sample, pass"):
-        run(True)
+        _fit_on(True, _MultipleChoice, loader, tmp_path, 3)
 
 
 def test_batch_first_blocks_with_the_batch_size_of_the_length_are_served_once_their_rows_compared_unchanged(
