@@ -118,7 +118,12 @@ def test_registered_names_launch(mode, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "mode, waiting_for", [("deadpeer", "a hidden state"), ("deadreplica", "a gradient all-reduce")]
+    "mode, waiting_for",
+    [
+        ("deadpeer", "a hidden state"),
+        ("deadreplica", "a gradient all-reduce"),
+        ("deadmover", "blocks and their optimizer state moving to the new layout"),
+    ],
 )
 def test_dead_peer_ends_the_run_with_a_clear_error(mode, waiting_for, tmp_path):
     start = time.monotonic()

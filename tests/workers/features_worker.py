@@ -6,6 +6,7 @@ Usage: features_worker.py OUT_DIR MODE, where MODE is
   popen      (plain python; strategy="elastic_pipeline", 2 devices, fast_dev_run)
   deadpeer   (launched by torchrun on 2 processes; global rank 1 dies in its third step)
   deadreplica (the same with 2 replicas of one stage: rank 0 waits for it in the gradient all-reduce)
+  deadmover  (the same, global rank 1 dying as blocks move for 1x2 after epoch 0)
 Every rank writes what it saw to OUT_DIR/rank<N>.json.
 """
 
@@ -16,6 +17,7 @@ from datetime import timedelta
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 import torchmetrics
 from lightning.pytorch.callbacks import (
     BasePredictionWriter,
@@ -31,6 +33,7 @@ from worker_exit import run_worker
 
 import lightning_pipetx  # noqa: F401  (registers the strategy names)
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
+from lightning_pipetx.strategy import transition
 
 
 def pad_to_longest(samples):
@@ -191,14 +194,25 @@ def main():
         report["fit"] = metrics(trainer)
         report["strategy"] = type(trainer.strategy).__name__
         report["layout"] = str(trainer.strategy.layout) if trainer.strategy.engine else None
-    elif mode in ("deadpeer", "deadreplica"):
-        model.die_at_step = 2
-        length = 2 if mode == "deadpeer" else 1  # 1: rank 0 waits in the gradient all-reduce
+    elif mode in ("deadpeer", "deadreplica", "deadmover"):
+        model.die_at_step = 2 if mode != "deadmover" else None
+        length = 1 if mode == "deadreplica" else 2  # 1: rank 0 waits in the gradient all-reduce
+        if mode == "deadmover":  # rank 1 vanishes as the blocks start moving for 1x2, after epoch 0
+            mover = transition.BlockMover
+            send = mover.send
+
+            def send_or_die(self, block, dst):
+                if dist.get_rank() == 1:
+                    os._exit(0)
+                send(self, block, dst)
+
+            mover.send = send_or_die
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=2,
             strategy=ElasticPipelineStrategy(pipeline_length=length, timeout=timedelta(seconds=30)),
-            max_epochs=1,
+            max_epochs=2 if mode == "deadmover" else 1,
+            callbacks=[FreezeCallback(alpha=0.5, signal="schedule")] if mode == "deadmover" else None,
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
