@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import random
+from pathlib import Path
 
 import lightning.pytorch as pl
 import numpy as np
@@ -109,6 +110,17 @@ def test_a_rank_that_becomes_a_first_stage_compares_the_shape_entering_block_0_w
     assert reports["auto"]["layouts"] == ["2x1", "2x1", "1x2", "1x2"]
     assert reports["auto"]["rates"][2:] == [0.0, 0.0]
     _same(torch.load(tmp_path / "auto.pt"), torch.load(tmp_path / "false.pt"))
+
+
+def test_a_run_that_fails_on_one_rank_leaves_no_cache_folder_behind(tmp_path):
+    # Rank 1 still validates (and writes its validation cache's folder) after rank 0 failed and
+    # removed the node's folders: every rank removes them after a failure.
+    shm = Path("/dev/shm")
+    before = set(shm.glob("pipetx-*")) if shm.is_dir() else set()
+    output = run_workers("failed_cleanup_worker.py", 2, str(tmp_path), expect_failure=True)
+    assert "a validation step failed on global rank 0" in output
+    assert (set(shm.glob("pipetx-*")) if shm.is_dir() else set()) == before
+    assert not list((tmp_path / "spill").glob("pipetx-*"))
 
 
 def _longest_first(samples):

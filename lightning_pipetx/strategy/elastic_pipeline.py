@@ -895,7 +895,10 @@ class ElasticPipelineStrategy(DDPStrategy):
         if self._cache_feed.open:
             if not self._last_run.failed:
                 self.barrier("pipetx-cache")  # every rank is done with the files
-            self._cache_feed.close(remove_files=self.local_rank == 0 or self._private_sites)
+            # After a failure every rank removes the node's folders: a peer may have written to
+            # them after local rank 0 removed them, or local rank 0 may be dead.
+            failed = self._last_run.failed
+            self._cache_feed.close(remove_files=self.local_rank == 0 or self._private_sites or failed)
         self._take_back_lent_blocks()
         if self.engine is not None:
             if self._last_run.failed:
