@@ -112,6 +112,14 @@ def test_a_rank_that_becomes_a_first_stage_compares_the_shape_entering_block_0_w
     _same(torch.load(tmp_path / "auto.pt"), torch.load(tmp_path / "false.pt"))
 
 
+def test_ranks_decide_alike_on_a_cache_one_of_them_switched_off(tmp_path):
+    # Rank 1 switches its cache off in epoch 2 (its step crops the batch); at epoch 3's start the
+    # inputs' verdict would refuse the cache (cache=True): on no rank, as one already switched it off.
+    output = run_workers("cache_agreement_worker.py", 2, str(tmp_path))
+    assert "[rank0] fit finished" in output and "[rank1] fit finished" in output
+    assert "another rank switched it off" in output
+
+
 def test_a_run_that_fails_on_one_rank_leaves_no_cache_folder_behind(tmp_path):
     # Rank 1 still validates (and writes its validation cache's folder) after rank 0 failed and
     # removed the node's folders: every rank removes them after a failure.

@@ -174,7 +174,7 @@ class AutoCache:
         elif self.prefix_guard.judge(prefix_compared, prefix_changed):
             if not self.layout.unproven:
                 self._changed(CHANGED_PREFIX_INPUT + ("" if self.strict else SERVED_STALE))  # strict: never served
-            elif self.enabled:  # its rows may be no samples (never served)
+            elif not disabled:  # its rows may be no samples (never served); on every rank alike
                 self.refuse(self.layout.suspect(), LAYOUT_FIX)
         if disabled and self.enabled:
             self.disable("another rank switched it off")
