@@ -39,8 +39,9 @@ class FreezeGuard:
         """The monitored value among ``metrics`` (``trainer.callback_metrics``)."""
         if self.monitor not in metrics:
             raise ValueError(
-                f"FreezeCallback(monitor={self.monitor!r}): no such metric was logged (logged: "
-                f"{sorted(metrics) or 'none'}). Log it in validation_step with self.log, or pick one of those."
+                f"FreezeCallback(monitor={self.monitor!r}): no such metric was logged on this rank (logged: "
+                f"{sorted(metrics) or 'none'}). Log it in validation_step with self.log on every rank (not with "
+                f"rank_zero_only=True or under `if self.trainer.is_global_zero`), or pick one of those."
             )
         return float(metrics[self.monitor])
 
