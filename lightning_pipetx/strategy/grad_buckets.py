@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pipetx.strategy.p2p import lost_peer
+from lightning_pipetx.strategy.p2p import waiting_on
 
 FIRST_BUCKET_BYTES = 2**20  # as DDP's first bucket
 
@@ -126,10 +126,8 @@ def wait_and_install(buckets: Iterable[Bucket]) -> None:
     """Wait for every bucket's all-reduce, then set the gradients (one host copy of all flags)."""
     buckets = [b for b in buckets if b.work is not None]
     for bucket in buckets:
-        try:
+        with waiting_on(_peers(bucket.group), "a gradient all-reduce"):
             bucket.work.wait()
-        except RuntimeError as error:  # a replica died, or stopped answering within the group's timeout
-            raise lost_peer(_peers(bucket.group), "a gradient all-reduce", error) from error
     if not buckets:
         return
     present = torch.cat([b.flags() for b in buckets]).tolist()

@@ -28,9 +28,10 @@ batch NCCL completes on its own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -292,17 +293,20 @@ class Channel:
             self._wait(work, peer, "the receipt of what it was sent")
 
     def _wait(self, work: dist.Work | CoalescedWork, peer: int | str, what: str) -> None:
-        try:
+        with waiting_on(peer, what):
             work.wait(self.timeout)
-        except RuntimeError as error:  # gloo and NCCL report a lost peer or a timeout as RuntimeError
-            raise lost_peer(peer, what, error) from error
 
 
-def lost_peer(peer: int | str, what: str, error: RuntimeError) -> PeerError:
-    """The error of a wait for ``what`` that ended in ``error``: ``peer`` (a global rank, or
-    several as text) died or stopped answering."""
-    return PeerError(
-        f"rank {dist.get_rank()} lost global rank {peer} while waiting for {what}: {error}. "
-        f"That rank died or stopped answering within the process-group timeout "
-        f"(ElasticPipelineStrategy(timeout=...)); see its own log for the cause."
-    )
+@contextlib.contextmanager
+def waiting_on(peer: int | str, what: str) -> Iterator[None]:
+    """Communication with ``peer`` (a global rank, or several as text) for ``what``: a wait that
+    ends in gloo's or NCCL's RuntimeError (the peer died, or stopped answering within the
+    process-group timeout) raises :class:`PeerError` naming it."""
+    try:
+        yield
+    except RuntimeError as error:
+        raise PeerError(
+            f"rank {dist.get_rank()} lost global rank {peer} while waiting for {what}: {error}. "
+            f"That rank died or stopped answering within the process-group timeout "
+            f"(ElasticPipelineStrategy(timeout=...)); see its own log for the cause."
+        ) from error

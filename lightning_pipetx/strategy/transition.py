@@ -21,7 +21,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_pipetx.strategy.autopipe import Plan
-from lightning_pipetx.strategy.p2p import lost_peer
+from lightning_pipetx.strategy.p2p import waiting_on
 from lightning_pipetx.strategy.param_store import ParamStore, collective_device
 
 MOVING = "blocks and their optimizer state moving to the new layout"
@@ -77,10 +77,8 @@ class BlockMover:
         """Describe ``block`` to ``dst`` now; its tensors go in :meth:`transfer`."""
         params = list(self.blocks[block].parameters())
         states = [self._optimizer(p).state.get(p) if self._optimizer(p) else None for p in params]
-        try:
+        with waiting_on(dst, MOVING):
             dist.send_object_list([[_state_meta(s, p) for s, p in zip(states, params)]], dst=dst, device=self.device)
-        except RuntimeError as error:  # a peer died, or stopped answering within the group's timeout
-            raise lost_peer(dst, MOVING, error) from error
         for param, state in zip(params, states):
             self._send(param.data, dst)
             for value in (state or {}).values():
@@ -94,10 +92,8 @@ class BlockMover:
         buffers storage to be filled by :meth:`transfer`."""
         params = list(self.blocks[block].parameters())
         message: list[Any] = [None]
-        try:
+        with waiting_on(src, MOVING):
             dist.recv_object_list(message, src=src, device=self.device)
-        except RuntimeError as error:
-            raise lost_peer(src, MOVING, error) from error
         for param, meta in zip(params, message[0]):
             self.store.materialize(param)
             self._recv(param.data, src)
@@ -134,10 +130,8 @@ class BlockMover:
         if self._ops:
             peers = ", ".join(str(peer) for peer in sorted({op.peer for op in self._ops}))
             for work in dist.batch_isend_irecv(self._ops):
-                try:
+                with waiting_on(peers, MOVING):
                     work.wait()
-                except RuntimeError as error:
-                    raise lost_peer(peers, MOVING, error) from error
         for target, staging in self._copies:
             target.copy_(staging)
         self._ops, self._copies = [], []
