@@ -270,24 +270,23 @@ class CollectedOutputChecks:
         self._forcing = 0  # calls running whose forward asks its inner model for hidden states regardless
         self._forcing_models: set[int] = set()  # ids of the models whose forward does so
 
-    def _holds_blocks(self, module: nn.Module) -> bool:
-        """Whether ``module`` runs one of the blocks (through the block list, or a list of its own
-        over the same layers)."""
-        if self.blocks is None:
-            return True
-        blocks = {id(block) for block in self.blocks}
-        return any(id(inner) in blocks for inner in module.modules())
-
     def install(self) -> None:
+        block_ids = None if self.blocks is None else {id(block) for block in self.blocks}
+
+        def holds_blocks(module: nn.Module) -> bool:
+            """Whether ``module`` runs one of the blocks (through the block list, or a list of its
+            own over the same layers)."""
+            return block_ids is None or any(id(inner) in block_ids for inner in module.modules())
+
         for module in self.root.modules():
-            if _is_hf_model(module) and self._holds_blocks(module):
+            if _is_hf_model(module) and holds_blocks(module):
                 check = InstalledHook(self._check_call)
                 self._handles.append(module.register_forward_pre_hook(check, with_kwargs=True))
                 if _forces_hidden_states(module):
                     self._forcing_models.add(id(module))
                     ends = InstalledHook(self._forcing_ends)
                     self._handles.append(module.register_forward_hook(ends, always_call=True))
-            elif callable(getattr(type(module), "forward_intermediates", None)) and self._holds_blocks(module):
+            elif callable(getattr(type(module), "forward_intermediates", None)) and holds_blocks(module):
                 original = module.forward_intermediates
                 module.forward_intermediates = InstalledForward(original, self._intermediates, module, original)
                 self._wrapped.append(module)
