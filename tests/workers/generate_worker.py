@@ -13,7 +13,7 @@ import sys
 
 import lightning.pytorch as pl
 import torch
-from tiny_models import tiny_gpt2
+from tiny_models import make_trainer, tiny_gpt2
 from torch.utils.data import DataLoader
 from worker_exit import run_worker
 
@@ -54,14 +54,7 @@ def generated(devices: int, use_cache: bool | None, at_epoch_end: bool = False) 
     """The new ids for every prompt, in order."""
     module = (GeneratingAtEpochEnd if at_epoch_end else Generating)(use_cache)
     strategy = ElasticPipelineStrategy(pipeline_length=2) if devices == 2 else "auto"
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = make_trainer([], devices=devices, strategy=strategy)
     trainer.validate(module, prompts(), verbose=False)
     return torch.cat(module.generated)
 
