@@ -1,4 +1,4 @@
-"""Callables the strategy installs on a user's modules (a block's ``forward``, forward hooks),
+"""Callables the strategy installs on a user's modules (a block's ``forward``, hooks),
 which a deep copy of the module leaves behind.
 
 A script may copy or save its model during fit (``copy.deepcopy(self.model)`` in ``on_fit_start``,
@@ -34,7 +34,8 @@ class InstalledForward:
 
 
 class InstalledHook:
-    """A forward (pre-)hook of the strategy's; a deep copy of its module gets one that does nothing."""
+    """A hook of the strategy's (forward, forward pre-, ``state_dict`` post-); a deep copy of its
+    module gets one that does nothing."""
 
     def __init__(self, hook: Callable[..., Any]) -> None:
         self._hook = hook
