@@ -9,8 +9,9 @@ import os
 import socket
 import subprocess
 import sys
-from math import comb
+from math import ceil, comb, floor
 from pathlib import Path
+from statistics import median
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,14 +67,30 @@ def median_interval(values: list[float], confidence: float = 0.9) -> tuple[float
     return interval
 
 
+def unfavourable(value: float, digits: int, higher_is_better: bool = True) -> str:
+    """``value`` to ``digits`` decimals, rounded toward the unfavourable side (down where higher
+    is better), so that a printed figure never claims more than was measured."""
+    scaled = value * 10**digits
+    scaled = floor(scaled + 1e-9) if higher_is_better else ceil(scaled - 1e-9)  # 1e-9: float noise
+    return f"{scaled / 10**digits:.{digits}f}"
+
+
+def ratio_figure(value: float | None, digits: int = 2) -> str:
+    """A speed-up or throughput ratio for a table (higher is better), as ``1.23x``; ``-`` for None."""
+    return "-" if value is None else f"{unfavourable(value, digits)}x"
+
+
 def ratio_verdict(ratios: list[float], target: float = 1.0) -> str:
-    """Whether the rounds' ratios put their median above or below ``target``, or do not resolve it."""
+    """Whether the rounds' ratios put their median above or below ``target``, or do not resolve it.
+    The median round's ratio and its interval's ends are printed rounded down, which keeps them
+    on the verdict's side of ``target``."""
     interval = median_interval(ratios)
     if interval is None:
         return f"too few rounds for an interval ({len(ratios)})"
     low, high, coverage = interval
     where = "above" if low > target else "below" if high < target else "not resolved from"
-    return f"{coverage:.0%} interval of the median round {low:.3f}-{high:.3f}: {where} {target}"
+    middle, ends = unfavourable(median(ratios), 3), f"{unfavourable(low, 3)}-{unfavourable(high, 3)}"
+    return f"median round {middle}, its {floor(100 * coverage)}% interval {ends}: {where} {target}"
 
 
 def write_json(path: str | Path, result: dict) -> None:

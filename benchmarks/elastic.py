@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _launch import add_worker_options, launch
+from _launch import add_worker_options, launch, ratio_figure
 
 CONFIGS = ("ddp", "pipe", "freeze_static", "elastic_nocache", "elastic")
 
@@ -150,7 +150,7 @@ def main() -> None:
                 speedups[base] = runs[base]["wall_seconds"] / run["wall_seconds"]
         run["speedup"] = speedups
         epochs = "  ".join(f"{e['samples_per_sec']:.0f} [{e['layout']}, {e['frozen']}]" for e in run["epochs"])
-        vs_ddp, vs_pipe = (f"{speedups[base]:.2f}x" if base in speedups else "-" for base in ("ddp", "pipe"))
+        vs_ddp, vs_pipe = (ratio_figure(speedups.get(base)) for base in ("ddp", "pipe"))
         print(
             f"{config:<14} {run['wall_seconds']:>8.1f} {vs_ddp:>7} {vs_pipe:>8} {run['final_val_acc']:>8.3f}  {epochs}"
         )

@@ -46,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _launch import add_worker_options, in_turn, launch
+from _launch import add_worker_options, in_turn, launch, ratio_figure
 from freeze_diagnostics import DIAGNOSTICS, gradient_drop
 from pipeline_static import add_keep_freed_memory_option, keep_freed_memory_if_asked
 
@@ -94,16 +94,14 @@ def worker(args: argparse.Namespace) -> None:
         strategy = "ddp" if config.startswith("ddp") else "auto"
 
     class Curve(Callback):
-        """Seconds since fit started, validation accuracy and AutoCache's hit rate at the end of every epoch."""
+        """Seconds since ``trainer.fit`` was called (the clock of the run's wall time: setup included),
+        validation accuracy and AutoCache's hit rate at the end of every epoch."""
 
         def __init__(self) -> None:
             self.points: list[dict] = []
             self.frozen = 0
             self.transition = None
             self.decisions = 0  # FreezeCallback's decisions seen
-
-        def on_fit_start(self, trainer, pl_module):
-            self.start = self.epoch_end = time.perf_counter()
 
         def _now(self) -> float:
             # the phases' edges wait for the device, so that each phase holds its own device work
@@ -122,7 +120,7 @@ def worker(args: argparse.Namespace) -> None:
         def on_train_epoch_start(self, trainer, pl_module):
             self.epoch_start = self._now()
             # what this epoch trains with: the decision after it may change both
-            self.frozen = callbacks[0].frozen_blocks if callbacks else 0
+            self.frozen = callbacks[0].frozen_blocks if callbacks else skipped_blocks(trainer.current_epoch)
             layout = getattr(trainer.strategy, "layout", None)
             self.layout = str(layout) if layout is not None else f"1x{world}"
 
@@ -159,9 +157,10 @@ def worker(args: argparse.Namespace) -> None:
             return freeze.last_decision.reason
 
         def _phases(self, now: float) -> dict[str, float]:
-            """Where the epoch's wall time went: from the last epoch's end (or the fit's start) to
-            this one's start, the training steps (and the loading between them), validation, and
-            the epoch-end hooks (the freeze decision and a transition included)."""
+            """Where the epoch's wall time went: from the last epoch's end (for the first epoch, from
+            the call of ``trainer.fit``: setup and the sanity check) to this one's start, the training
+            steps (and the loading between them), validation, and the epoch-end hooks (the freeze
+            decision and a transition included)."""
             return {
                 "before_epoch": self.epoch_start - self.epoch_end,
                 "training": self.validation_start - self.epoch_start,
@@ -193,10 +192,15 @@ def worker(args: argparse.Namespace) -> None:
                     f"the planner chose {layout}; pass --pipeline-length to fix the full system's first layout."
                 )
 
+    def skipped_blocks(epoch: int) -> int:
+        """The blocks a diagnostic run keeps from training in ``epoch`` (frozen in its report)."""
+        return schedule[epoch] if config == "ddp_frozen_blocks" else 0
+
     curve, global_batch = Curve(), GlobalBatch()
     extra = [Reseed()] if config == "ddp_reseeded" else []
+    schedule = [int(f) for f in args.frozen_schedule.split(",")]
     if config in DIAGNOSTICS:
-        extra = [gradient_drop(config, [int(f) for f in args.frozen_schedule.split(",")])]
+        extra = [gradient_drop(config, schedule)]
     report = None
     if config == "full" and args.report:
         from lightning_pipetx.callbacks.report import EpochReport
@@ -230,7 +234,7 @@ def worker(args: argparse.Namespace) -> None:
         seed=args.split_seed,
     )
     model = TextClassifier(lr=args.lr, pretrained=args.pretrained, fused=FUSED[args.fused])
-    started = time.perf_counter()
+    started = curve.start = curve.epoch_end = time.perf_counter()
     trainer.fit(model, data)
     wall = time.perf_counter() - started
     if report is not None and trainer.is_global_zero and report.records:
@@ -310,10 +314,13 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
             if "ddp" in runs:
                 ddp_epoch = statistics.mean(r["wall_seconds"] / len(r["epochs"]) for r in runs["ddp"])
                 row["transition_share_of_ddp_epoch"] = row["transition_seconds"] / ddp_epoch
-        frozen = [p["frozen"] for p in seeds[0]["epochs"]]
-        diagnostic = config in DIAGNOSTICS  # its blocks' updates are dropped, not frozen: nothing is saved
-        row["ideal_speedup_vs_unfrozen"] = None if diagnostic else ideal_speedup(frozen, blocks=seeds[0]["blocks"])
-        row["frozen_per_epoch"] = frozen
+        schedules = [[p["frozen"] for p in r["epochs"]] for r in seeds]
+        # Only the full system freezes (a diagnostic drops its blocks' updates, which saves nothing):
+        # the mean over seeds of each seed's schedule's speed-up over the same system unfrozen.
+        ideals = [ideal_speedup(s, blocks=r["blocks"]) for s, r in zip(schedules, seeds)]
+        row["ideal_speedup_vs_unfrozen"] = statistics.mean(ideals) if config == "full" else None
+        row["frozen_per_epoch"] = schedules[0]  # the first seed's; each seed's below
+        row["frozen_per_epoch_per_seed"] = schedules
         row["layouts"] = [p["layout"] for p in seeds[0]["epochs"]]
         table[config] = row
     return table
@@ -337,7 +344,7 @@ def plot(runs: dict[str, list[dict]], path: Path, model: str) -> None:
             ys = [p["val_acc"] for p in run["epochs"]]
             ax.plot(xs, ys, marker="o", color=f"C{CONFIGS.index(config)}", alpha=0.9 if i == 0 else 0.5,
                     label=config if i == 0 else None)  # fmt: skip
-    ax.set_xlabel("wall time since fit started (s)")
+    ax.set_xlabel("wall time since trainer.fit was called (s)")
     ax.set_ylabel("validation accuracy")
     ax.set_title(f"{model} on Rotten Tomatoes: accuracy against wall time")
     ax.grid(alpha=0.3)
@@ -352,8 +359,8 @@ def _phase_line(epoch: int, seeds: list[dict]) -> str:
     return "/".join(f"{statistics.mean(p[name] for p in phases):.2f}" for name in phases[0])
 
 
-def _ratio(value: float | None) -> str:
-    """A speed-up for the table; ``-`` where its baseline was not run."""
+def _ideal(value: float | None) -> str:
+    """The block-count model's speed-up for the table; ``-`` for a run that freezes nothing."""
     return "-" if value is None else f"{value:.2f}x"
 
 
@@ -439,17 +446,24 @@ def main() -> None:
     print(f"\nbaselines keep freed host memory (--baselines-keep-freed-memory): {kept}")
     print(
         f"\n{'config':<12} {'wall s':>8} {'vs ddp':>7} {'vs plain':>9} {'ideal':>6} {'to ddp acc s':>13} "
-        f"{'final acc':>9} {'best acc':>9} {'test acc':>9}  frozen / layout per epoch"
+        f"{'final acc':>9} {'best acc':>9} {'test acc':>9}  frozen / layout per epoch (first seed)"
     )
     for config, row in table.items():
         to_acc = row.get("seconds_to_ddp_acc")
         reached = "never" if to_acc is None else f"{to_acc:.1f} ({row['seeds_reaching_ddp_acc']}/{len(seeds)})"
         print(
-            f"{config:<12} {row['wall_seconds']:>8.1f} {_ratio(row.get('speedup_vs_ddp')):>7} "
-            f"{_ratio(row.get('speedup_vs_plain')):>9} {_ratio(row['ideal_speedup_vs_unfrozen']):>6} "
+            f"{config:<12} {row['wall_seconds']:>8.1f} {ratio_figure(row.get('speedup_vs_ddp')):>7} "
+            f"{ratio_figure(row.get('speedup_vs_plain')):>9} {_ideal(row['ideal_speedup_vs_unfrozen']):>6} "
             f"{reached:>13} {row['final_val_acc']:>9.4f} {row['best_val_acc']:>9.4f} {row['test_acc']:>9.4f}  "
             + " ".join(f"{f}/{lay}" for f, lay in zip(row["frozen_per_epoch"], row["layouts"]))
         )
+    print(
+        "ideal: the freeze schedule's speed-up over the same system unfrozen by the block-count model "
+        "(mean over seeds), not a ratio against ddp; vs ddp and vs plain: ratios of mean wall times, rounded down"
+    )
+    for config, row in table.items():
+        if any(s != row["frozen_per_epoch"] for s in row["frozen_per_epoch_per_seed"]):
+            print(f"{config}: frozen per epoch, each seed: {row['frozen_per_epoch_per_seed']}")
     for config, row in table.items():
         if "transition_seconds" in row:
             share = row.get("transition_share_of_ddp_epoch")

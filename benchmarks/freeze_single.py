@@ -45,7 +45,7 @@ sys.path[:0] = [str(_ROOT / "examples"), str(_ROOT)]
 import lightning  # noqa: E402
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-from _launch import write_json  # noqa: E402
+from _launch import ratio_figure, unfavourable, write_json  # noqa: E402
 from finetune import ideal_speedup  # noqa: E402
 from image_classification import ImageClassifier, ImageDataModule  # noqa: E402
 from pipeline_static import add_keep_freed_memory_option, keep_freed_memory_if_asked  # noqa: E402
@@ -292,33 +292,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     for epoch, blocks, u, f, ratio, u_cpu, f_cpu, cpu_ratio in rows:
         print(
-            f"{epoch:5d}  {blocks:6d}  {u:10.2f}  {f:8.2f}  {ratio:5.2f}  | {u_cpu:14.2f}  {f_cpu:12.2f}  {cpu_ratio:9.2f}"
+            f"{epoch:5d}  {blocks:6d}  {u:10.2f}  {f:8.2f}  {_cost(ratio):>5}  | {u_cpu:14.2f}  {f_cpu:12.2f}  "
+            f"{_cost(cpu_ratio):>9}"
         )
     print(
         f"total  {'':6s}  {unfrozen['total_train_seconds']:10.2f}  {frozen['total_train_seconds']:8.2f}  "
-        f"{total_ratio:5.2f}  | {unfrozen['total_train_cpu_seconds']:14.2f}  "
-        f"{frozen['total_train_cpu_seconds']:12.2f}  {cpu_total_ratio:9.2f}"
+        f"{_cost(total_ratio):>5}  | {unfrozen['total_train_cpu_seconds']:14.2f}  "
+        f"{frozen['total_train_cpu_seconds']:12.2f}  {_cost(cpu_total_ratio):>9}"
     )
-    print(f"speed-up (unfrozen / frozen training time): wall {1 / total_ratio:.2f}x, cpu {1 / cpu_total_ratio:.2f}x")
+    wall, cpu = ratio_figure(1 / total_ratio), ratio_figure(1 / cpu_total_ratio)
+    print(f"speed-up (unfrozen / frozen training time): wall {wall}, cpu {cpu}")
     print(f"final val_acc: unfrozen {unfrozen['final_val_acc']:.4f}, frozen {frozen['final_val_acc']:.4f}")
     print("\nwith AutoCache (ElasticPipelineStrategy on one device): per-epoch time / unfrozen")
     for epoch, (ratio, blocks, hits) in enumerate(
         zip(cached_ratios, cached["frozen_blocks"], cached["cache_hit_rate"])
     ):
         hit_rate = "-" if hits is None else f"{hits:.0%}"
-        print(f"{epoch:5d}  frozen {blocks:2d}  hit rate {hit_rate:>5s}  ratio {ratio:5.2f}")
-    print(f"total ratio {result['cached_time_ratio_total']:.2f}, final val_acc {cached['final_val_acc']:.4f}")
+        print(f"{epoch:5d}  frozen {blocks:2d}  hit rate {hit_rate:>5s}  ratio {_cost(ratio):>5}")
+    print(f"total ratio {_cost(result['cached_time_ratio_total'])}, final val_acc {cached['final_val_acc']:.4f}")
     print(
-        f"speed-up over unfrozen: freezing {result['speedup_frozen']:.2f}x (ideal {ideal_frozen:.2f}x), "
-        f"freezing + AutoCache {result['speedup_cached']:.2f}x (ideal {ideal_cached:.2f}x)"
+        f"speed-up over unfrozen: freezing {ratio_figure(result['speedup_frozen'])} (ideal {ideal_frozen:.2f}x), "
+        f"freezing + AutoCache {ratio_figure(result['speedup_cached'])} (ideal {ideal_cached:.2f}x)"
     )
     if warm:
         print(
-            f"epoch with >= half the blocks frozen and a warm cache: {min(warm):.2f}x the unfrozen epoch (target <= 0.6)"
+            f"epoch with >= half the blocks frozen and a warm cache: {_cost(min(warm))}x "
+            "the unfrozen epoch (target <= 0.6)"
         )
 
     write_json(args.out, result)
     return result
+
+
+def _cost(ratio: float) -> str:
+    """A time ratio, frozen over unfrozen (lower is better), rounded up."""
+    return unfavourable(ratio, 2, higher_is_better=False)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _launch import add_worker_options, in_turn, launch, ratio_verdict
+from _launch import add_worker_options, in_turn, launch, ratio_verdict, unfavourable
 
 
 def build_module(args: argparse.Namespace):
@@ -165,6 +165,8 @@ def worker(args: argparse.Namespace) -> None:
         def on_train_end(self, trainer, pl_module):
             # storage actually held: a released weight is a 1-element storage expanded to its shape
             held["params"] = sum(p.untyped_storage().nbytes() for p in pl_module.parameters())
+            engine = getattr(trainer.strategy, "engine", None)  # ElasticPipelineStrategy's: its stages' blocks
+            held["bounds"] = None if engine is None else [list(b) for b in engine.bounds]
 
     trainer.callbacks.append(Memory())
     trainer.fit(module, DataLoader(data, batch_size=args.batch // replicas))
@@ -174,6 +176,7 @@ def worker(args: argparse.Namespace) -> None:
         "param_mb_held": held["params"] / 2**20,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "phase_ms": timer.phase_ms(),
+        "stage_bounds": held["bounds"],
     }
     if args.accelerator == "gpu":
         result["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
@@ -246,13 +249,15 @@ def main() -> None:
         phases = "  ".join("{training_step:.1f} / {backward:.1f} / {rest:.1f}".format(**r["phase_ms"]) for r in ranks)
         print(f"{config:<10} {phases}")
     if "pipe_k1_over_ddp" in summary:
-        per_repeat = " ".join(f"{r:.3f}" for r in summary["pipe_k1_over_ddp_per_repeat"])
-        print(f"\npipe_k1 / ddp: {summary['pipe_k1_over_ddp']:.3f} (target >= 1.0; run by run: {per_repeat})")
+        per_repeat = " ".join(unfavourable(r, 3) for r in summary["pipe_k1_over_ddp_per_repeat"])
+        ratio = unfavourable(summary["pipe_k1_over_ddp"], 3)
+        print(f"\npipe_k1 / ddp, ratio of the median throughputs: {ratio} (target >= 1.0; run by run: {per_repeat})")
         print(f"  {summary['pipe_k1_over_ddp_verdict']}")
     if f"{pipe}_over_bubble_model" in summary:
         ratio, bubble = summary[f"{pipe}_over_bubble_model"], summary["bubble_model_samples_per_s"]
         print(
-            f"{pipe} / bubble model pipe_k1*M/(M+K-1): {ratio:.3f} ({throughput(pipe):.1f} vs {bubble:.1f} samples/s)"
+            f"{pipe} / bubble model pipe_k1*M/(M+K-1): {unfavourable(ratio, 3)} "
+            f"({throughput(pipe):.1f} vs {bubble:.1f} samples/s)"
         )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=2))

@@ -6,7 +6,7 @@ micro-batches, AdamW), split into ``--nprocs`` stages, fixed shapes, on gloo (CP
 * ``ours_gpipe`` / ``ours_1f1b``: ``ElasticPipelineStrategy(pipeline_length=N, schedule=...)``
   under Lightning, the LightningModule unchanged;
 * ``torch_gpipe`` / ``torch_1f1b``: ``torch.distributed.pipelining``'s ``PipelineStage`` with
-  ``ScheduleGPipe`` / ``Schedule1F1B``, the model split by hand at the same block boundaries, in a
+  ``ScheduleGPipe`` / ``Schedule1F1B``, the model split by hand at ours' first block boundaries (checked), in a
   plain training loop (no Lightning);
 * ``fused_gpipe`` / ``fused_1f1b`` (not run by default): ours with ``split_backward=False``.
 
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import pipeline_static
-from _launch import add_worker_options, in_turn, launch, ratio_verdict
+from _launch import add_worker_options, in_turn, launch, ratio_verdict, unfavourable
 
 CONFIGS = ("ours_gpipe", "torch_gpipe", "ours_1f1b", "torch_1f1b")
 
@@ -43,12 +43,15 @@ def torch_worker(args: argparse.Namespace, schedule_name: str) -> None:
     from torch import nn
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+    from lightning_pipetx.strategy.partition import partition
+
     pipeline_static.keep_freed_memory_if_asked(args)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     vit = pipeline_static.build_module(args).model
-    bounds = [round(i * len(vit.blocks) / world) for i in range(world + 1)]  # equal blocks per stage, as ours
-    blocks = vit.blocks[bounds[rank] : bounds[rank + 1]]
+    # ours' first split: the blocks' parameter counts partitioned by the same function
+    bounds = partition([float(sum(p.numel() for p in block.parameters())) for block in vit.blocks], world)
+    blocks = vit.blocks[bounds[rank][0] : bounds[rank][1]]
 
     class Stage(nn.Module):
         def __init__(self) -> None:
@@ -86,7 +89,7 @@ def torch_worker(args: argparse.Namespace, schedule_name: str) -> None:
             schedule.step()
         optimizer.step()
     seconds = time.perf_counter() - start
-    result = {"rank": rank, "samples_per_sec": args.batch * args.steps / seconds}
+    result = {"rank": rank, "samples_per_sec": args.batch * args.steps / seconds, "stage_bounds": bounds}
     Path(args.result_dir, f"torch_{schedule_name}_rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -123,29 +126,38 @@ def main() -> None:
         return
 
     rounds: dict[str, list[float]] = {}
+    splits: dict[str, list] = {}  # each configuration's stages, (first block, end) each
     configs = args.configs.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         for repeat, config in in_turn(configs, args.repeats):
             print(f"running {config} on {args.nprocs} processes ({repeat + 1}/{args.repeats}) ...", flush=True)
             results = launch(__file__, config, args.nprocs, sys.argv[1:], tmp)
             rounds.setdefault(config, []).append(min(r["samples_per_sec"] for r in results))
+            splits.setdefault(config, results[0]["stage_bounds"])
     runs = {config: statistics.median(rates) for config, rates in rounds.items()}
     pairs = [s for s in ("gpipe", "1f1b") if f"ours_{s}" in runs and f"torch_{s}" in runs]
     ratios = {s: runs[f"ours_{s}"] / runs[f"torch_{s}"] for s in pairs}
     per_round = {s: [o / t for o, t in zip(rounds[f"ours_{s}"], rounds[f"torch_{s}"])] for s in pairs}
     verdicts = {s: ratio_verdict(r) for s, r in per_round.items()}
+    for s in pairs:
+        if [list(b) for b in splits[f"ours_{s}"]] != [list(b) for b in splits[f"torch_{s}"]]:
+            print(f"warning: {s}: the two split the blocks differently: {splits}")
     print(f"\n{'config':<12} {'samples/s':>10}  (median of {args.repeats}; each round)")
     for config, rate in runs.items():
         print(f"{config:<12} {rate:>10.1f}  " + " ".join(f"{r:.1f}" for r in rounds[config]))
     for schedule, ratio in ratios.items():
-        each = " ".join(f"{r:.3f}" for r in per_round[schedule])
-        print(f"ours / torch.distributed.pipelining, {schedule}: {ratio:.3f} (target >= 1.0); each round: {each}")
+        each = " ".join(unfavourable(r, 3) for r in per_round[schedule])
+        print(
+            f"ours / torch.distributed.pipelining, {schedule}, ratio of the median throughputs: "
+            f"{unfavourable(ratio, 3)} (target >= 1.0); each round: {each}"
+        )
         print(f"  {verdicts[schedule]}")
     summary = {"command": " ".join([sys.executable, *sys.argv]), "settings": vars(args), "samples_per_sec": runs}
     summary["samples_per_sec_per_round"] = rounds
     summary["ours_over_torch"] = ratios
     summary["ours_over_torch_per_round"] = per_round
     summary["ours_over_torch_verdict"] = verdicts
+    summary["stage_bounds"] = splits
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=2, default=str))
     print(f"written to {args.out}")
