@@ -9,7 +9,7 @@ import os
 import socket
 import subprocess
 import sys
-from math import ceil, comb, floor
+from math import ceil, comb, floor, isfinite, ulp
 from pathlib import Path
 from statistics import median
 
@@ -70,8 +70,11 @@ def median_interval(values: list[float], confidence: float = 0.9) -> tuple[float
 def unfavourable(value: float, digits: int, higher_is_better: bool = True) -> str:
     """``value`` to ``digits`` decimals, rounded toward the unfavourable side (down where higher
     is better), so that a printed figure never claims more than was measured."""
+    if not isfinite(value):
+        return str(value)
     scaled = value * 10**digits
-    scaled = floor(scaled + 1e-9) if higher_is_better else ceil(scaled - 1e-9)  # 1e-9: float noise
+    noise = max(1e-9, 8 * ulp(scaled))  # float noise: 0.29 * 100 is 28.999999999999996
+    scaled = floor(scaled + noise) if higher_is_better else ceil(scaled - noise)
     return f"{scaled / 10**digits:.{digits}f}"
 
 
@@ -82,8 +85,8 @@ def ratio_figure(value: float | None, digits: int = 2) -> str:
 
 def ratio_verdict(ratios: list[float], target: float = 1.0) -> str:
     """Whether the rounds' ratios put their median above or below ``target``, or do not resolve it.
-    The median round's ratio and its interval's ends are printed rounded down, which keeps them
-    on the verdict's side of ``target``."""
+    The median round's ratio and its interval's ends are printed rounded down: a "below" never
+    prints an end at or above ``target``, an "above" may print its low end as ``target`` itself."""
     interval = median_interval(ratios)
     if interval is None:
         return f"too few rounds for an interval ({len(ratios)})"

@@ -46,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _launch import add_worker_options, in_turn, launch, ratio_figure
+from _launch import add_worker_options, in_turn, launch, ratio_figure, unfavourable
 from freeze_diagnostics import DIAGNOSTICS, gradient_drop
 from pipeline_static import add_keep_freed_memory_option, keep_freed_memory_if_asked
 
@@ -158,7 +158,7 @@ def worker(args: argparse.Namespace) -> None:
 
         def _phases(self, now: float) -> dict[str, float]:
             """Where the epoch's wall time went: from the last epoch's end (for the first epoch, from
-            the call of ``trainer.fit``: setup and the sanity check) to this one's start, the training
+            the call of ``trainer.fit``: the setup) to this one's start, the training
             steps (and the loading between them), validation, and the epoch-end hooks (the freeze
             decision and a transition included)."""
             return {
@@ -198,8 +198,8 @@ def worker(args: argparse.Namespace) -> None:
 
     curve, global_batch = Curve(), GlobalBatch()
     extra = [Reseed()] if config == "ddp_reseeded" else []
-    schedule = [int(f) for f in args.frozen_schedule.split(",")]
     if config in DIAGNOSTICS:
+        schedule = [int(f) for f in args.frozen_schedule.split(",")]
         extra = [gradient_drop(config, schedule)]
     report = None
     if config == "full" and args.report:
@@ -469,7 +469,8 @@ def main() -> None:
             share = row.get("transition_share_of_ddp_epoch")
             print(
                 f"{config}: {row['transitions_per_run']:g} transition(s) per run, {row['transition_seconds']:.2f} s "
-                "each on rank 0" + ("" if share is None else f", {100 * share:.1f}% of a ddp epoch")
+                "each on rank 0"
+                + ("" if share is None else f", {unfavourable(100 * share, 1, higher_is_better=False)}% of a ddp epoch")
             )
     print("\nseconds per epoch by phase, mean over seeds (before the epoch, training steps, validation, epoch end):")
     for config, seeds_ in runs.items():

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _launch import add_worker_options, launch
+from _launch import add_worker_options, launch, unfavourable
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -132,7 +132,8 @@ def main() -> None:
     elif epoch:
         summary["finetune_epoch_seconds"] = epoch
         summary["fraction_of_epoch"] = seconds / epoch
-        print(f"transition {seconds:.2f} s = {seconds / epoch:.1%} of a {epoch:.1f} s fine-tune epoch (target < 2%)")
+        share = unfavourable(100 * seconds / epoch, 1, higher_is_better=False)
+        print(f"transition {seconds:.2f} s = {share}% of a {epoch:.1f} s fine-tune epoch (target < 2%)")
     else:
         found = "has no ddp run" if Path(args.finetune_json).is_file() else "does not exist"
         print(

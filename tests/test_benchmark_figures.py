@@ -17,7 +17,10 @@ def test_figures_are_rounded_toward_the_unfavourable_side():
     assert ratio_figure(1.996) == "1.99x" and ratio_figure(0.9951) == "0.99x" and ratio_figure(None) == "-"
     assert unfavourable(-0.545, 2) == "-0.55"  # an accuracy difference: more negative
     assert unfavourable(0.201, 2, higher_is_better=False) == "0.21"  # a time ratio: up
-    assert unfavourable(1.1, 2) == "1.10" and unfavourable(0.29, 2, higher_is_better=False) == "0.29"  # float noise
+    # float noise: 0.29 * 100 is 28.999999999999996, 1.1 * 100 is 110.00000000000001
+    assert unfavourable(0.29, 2) == "0.29" and unfavourable(1.1, 2, higher_is_better=False) == "1.10"
+    assert unfavourable(1e10 + 0.29, 2) == "10000000000.29"  # the noise allowed grows with the value
+    assert unfavourable(float("nan"), 2) == "nan" and ratio_figure(float("inf")) == "infx"
 
 
 def test_the_verdict_prints_the_median_round_and_ends_on_its_side_of_the_target():
