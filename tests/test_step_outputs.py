@@ -143,6 +143,15 @@ def test_an_exception_on_every_rank_leaves_the_whole_model_on_every_rank(excepti
         assert [r["later_fits"] for r in _reports(tmp_path, "fail_all", 2)] == [[2, 2]] * 2
 
 
+def test_fits_in_the_same_processes_leave_no_threads_behind(tmp_path):
+    # Each fit's process groups (gloo: threads and connections of their own) go with its teardown,
+    # not at some later garbage collection: a sweep of many trials does not pile them up.
+    run_workers("outputs_worker.py", 2, str(tmp_path), "repeated_fits", timeout=240)
+    for report in _reports(tmp_path, "repeated_fits", 2):
+        threads = report["threads_after_fit"]
+        assert threads[-1] <= threads[0], threads
+
+
 @pytest.mark.parametrize("pipeline_length", ["2", "1"])
 def test_a_ctrl_c_while_a_rank_waits_inside_gloo_still_saves_and_restores_the_whole_model(pipeline_length, tmp_path):
     # Rank 1, running Python, is interrupted at once; rank 0 waits inside gloo for it (2x1: for the

@@ -10,6 +10,7 @@ Usage: torchrun --nproc_per_node=N outputs_worker.py OUT_DIR MODE, where MODE is
   fail_all EXC   (2 processes) every rank raises EXC (ValueError | KeyboardInterrupt) at epoch 0's end;
                  a ValueError is caught, and a DDP fit, then one of the strategy's, follow
   fail_one       (2 processes) the last stage raises in its third training step
+  repeated_fits  (2 processes) four fits in the same processes: the threads alive after each
   ctrl_c LENGTH  (2 processes, pipeline_length LENGTH) a Ctrl-C reaches both ranks while rank 0
                  waits inside gloo for rank 1 (2x1: its hidden state; 1x2: the gradient all-reduce)
   ctrl_c_in_transition  (2 processes, 2x1 -> 1x2 after epoch 0) a Ctrl-C reaches both ranks half-way
@@ -450,6 +451,11 @@ def main():
         except BaseException as error:
             print(f"[rank{rank}] fit failed: {type(error).__name__}: {error}", flush=True)
             raise
+    elif mode == "repeated_fits":
+        report["threads_after_fit"] = []
+        for _ in range(4):  # a sweep's trials in the same processes, each a 2x1 pipeline
+            trainer_for(2, max_epochs=1).fit(Recipes(), loader(16, 4, 1))
+            report["threads_after_fit"].append(len(os.listdir("/proc/self/task")))
     elif mode == "fail_one":
         trainer = trainer_for(2, timeout=45, max_epochs=1)
         try:
