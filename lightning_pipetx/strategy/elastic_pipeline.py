@@ -912,6 +912,9 @@ class ElasticPipelineStrategy(DDPStrategy):
                 self.engine.close(restore_weights=True)
                 self._last_run.plan, self._last_run.fit = self.engine.plan, trainer.state.fn == TrainerFn.FITTING
             self.engine = None
+        if self._store is not None and not self._store.released_blocks():  # the model is whole: no guard left on it
+            self._store.close()
+            self._store = None
         self._layout0 = None  # loaders built before the next setup are not this run's
         if self._agreement is not None and not self._agreement.agreed:  # an agreed one serves saves after the run
             if not self._last_run.failed:  # else a peer may be out of step in it

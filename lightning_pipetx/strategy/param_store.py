@@ -70,7 +70,7 @@ class ParamStore:
         self._guard = blocks.register_state_dict_post_hook(InstalledHook(self._refuse_released))
 
     def close(self) -> None:
-        """Stop guarding the model's ``state_dict`` (a later run has a store of its own)."""
+        """Stop guarding the model's ``state_dict`` (the run left it whole, or a later run has a store of its own)."""
         self._guard.remove()
 
     def permit_reads(self) -> None:

@@ -10,7 +10,8 @@ Usage: torchrun --nproc_per_node=N outputs_worker.py OUT_DIR MODE, where MODE is
   fail_all EXC   (2 processes) every rank raises EXC (ValueError | KeyboardInterrupt) at epoch 0's end;
                  a ValueError is caught, and a DDP fit, then one of the strategy's, follow
   fail_one       (2 processes) the last stage raises in its third training step
-  repeated_fits  (2 processes) four fits in the same processes: the threads alive after each
+  repeated_fits  (2 processes) four fits of one model in the same processes: the threads alive and
+                 the block list's state_dict hooks after each
   ctrl_c LENGTH  (2 processes, pipeline_length LENGTH) a Ctrl-C reaches both ranks while rank 0
                  waits inside gloo for rank 1 (2x1: its hidden state; 1x2: the gradient all-reduce)
   ctrl_c_in_transition  (2 processes, 2x1 -> 1x2 after epoch 0) a Ctrl-C reaches both ranks half-way
@@ -36,7 +37,7 @@ from tiny_models import NUM_LABELS, RandomTokenDataset, tiny_bert
 from torch.utils.data import DataLoader
 from worker_exit import run_worker
 
-from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
+from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback, find_blocks
 from lightning_pipetx.strategy import transition
 
 
@@ -452,10 +453,13 @@ def main():
             print(f"[rank{rank}] fit failed: {type(error).__name__}: {error}", flush=True)
             raise
     elif mode == "repeated_fits":
-        report["threads_after_fit"] = []
+        report["threads_after_fit"], report["state_dict_hooks_after_fit"] = [], []
+        model = Recipes()  # trained on by each fit, as a second stage of training would be
+        blocks = find_blocks(model).blocks
         for _ in range(4):  # a sweep's trials in the same processes, each a 2x1 pipeline
-            trainer_for(2, max_epochs=1).fit(Recipes(), loader(16, 4, 1))
+            trainer_for(2, max_epochs=1).fit(model, loader(16, 4, 1))
             report["threads_after_fit"].append(len(os.listdir("/proc/self/task")))
+            report["state_dict_hooks_after_fit"].append(len(blocks._state_dict_hooks))
     elif mode == "fail_one":
         trainer = trainer_for(2, timeout=45, max_epochs=1)
         try:
