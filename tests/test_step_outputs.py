@@ -138,9 +138,6 @@ def test_an_exception_on_every_rank_leaves_the_whole_model_on_every_rank(excepti
     # Both hold every weight's optimizer state, the same.
     assert len(caught["optimizer_states"][0]["state"]) == len(weights)
     torch.testing.assert_close(full["optimizer_states"], caught["optimizer_states"], rtol=0, atol=0)
-    if exception == "ValueError":  # caught by the user's loop (a sweep's pruned trial): the world's group still works
-        # 16 samples, batch 4, 2 replicas: 2 steps under DDP and under the strategy (1x2).
-        assert [r["later_fits"] for r in _reports(tmp_path, "fail_all", 2)] == [[2, 2]] * 2
 
 
 def test_fits_in_the_same_processes_leave_nothing_behind(tmp_path):

@@ -370,8 +370,8 @@ class PipelineEngine:
         self.share_outer_buffers(group)
 
     def training_groups(self) -> list[dist.ProcessGroup]:
-        """The process groups of this run's training (the world's aside, which a peer may wait in too)."""
-        return [*self.topology.groups, *self.grad_sync.groups]
+        """The process groups training waits in, the world's included."""
+        return [dist.group.WORLD, *self.topology.groups, *self.grad_sync.groups]
 
     def close(self, restore_weights: bool, destroy_groups: bool = True) -> None:
         """Remove the hooks; bring every block back on every rank; free the process groups."""

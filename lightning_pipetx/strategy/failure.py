@@ -2,15 +2,12 @@
 
 The exception ends the run on the rank that raised it; its peers may be alive, waiting on it,
 or dead, and the training process groups may be out of step. So the rank first closes its gloo
-connections in the run's own training groups (:func:`wake_peers`): a peer waiting on it inside
-gloo (a collective of them) returns from its wait with an error (``lost global rank N``, or the
-KeyboardInterrupt a Ctrl-C left pending there) and stops too, at once rather than at the
-process-group timeout. Then the ranks agree, over a gloo group of their own (created at setup)
-and within a short window, that every rank is tearing down in the same layout, with no
-transition under way. The world's group outlives the run (a user's next ``fit`` in the same
-processes, under this strategy or another, runs in it), so its connections are closed only where
-the agreement does not complete within a few seconds: a peer may be waiting there (for a hidden
-state, or in a collective of Lightning's), and the agreement then waits for it again. Then every block is restored on every rank through that
+connections in the training groups, the world's included (:func:`wake_peers`): a peer waiting
+on it inside gloo (a transfer, a collective) returns from its wait with an error (``lost global
+rank N``, or the KeyboardInterrupt a Ctrl-C left pending there) and stops too, at once rather
+than at the process-group timeout. Then the ranks agree, over a gloo group of their own
+(created at setup) and within a short window, that every rank is tearing down in the same
+layout, with no transition under way. Then every block is restored on every rank through that
 group, and the checkpoints and barriers that follow (Lightning's ``OnExceptionCheckpoint``, a
 save after the run) go over it too, until the next run's set-up; so do the strategy's barrier,
 broadcast and boolean reductions (Lightning's callbacks call them as the run stops). Otherwise
@@ -26,16 +23,13 @@ import os
 import signal
 import sys
 import threading
-import time
 import zlib
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-
-from lightning_pipetx.strategy.p2p import retire_transfer_tags
 
 if TYPE_CHECKING:
     from lightning_pipetx.strategy.engine import PipelineEngine
@@ -43,7 +37,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("lightning_pipetx")
 
 AGREEMENT_SECONDS = 30.0
-WORLD_WAKE_SECONDS = 3.0  # how long the agreement may take before the world's connections are closed
 _WAKE_TAG = 0x7A3E  # a tag nothing sends: the receive posted to close a connection never completes
 
 
@@ -62,22 +55,16 @@ class FailureAgreement:
         self.broken = False  # an agreement timed out: the group is out of step for good
         self.agreed = False  # every rank stopped alike: a checkpoint may gather over the group
 
-    def every_rank_failed(self, state: int, before_waiting: Callable[[], None] = lambda: None) -> bool:
-        """True when every rank calls this within the window with the same ``state``.
-        ``before_waiting`` runs where the ranks have not all called it within a few seconds, and
-        the window starts again after it."""
+    def every_rank_failed(self, state: int) -> bool:
+        """True when every rank calls this within the window with the same ``state``."""
         if self.group is None:
             return True
         if self.broken:
-            before_waiting()
             return False
         mine = torch.tensor([state], dtype=torch.int64)
         gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
         try:
-            work = dist.all_gather(gathered, mine, group=self.group, async_op=True)
-            if not _completes_within(work, min(WORLD_WAKE_SECONDS, self.window.total_seconds() / 2)):
-                before_waiting()
-            work.wait(self.window)
+            dist.all_gather(gathered, mine, group=self.group, async_op=True).wait(self.window)
         except RuntimeError as error:  # a peer is busy elsewhere, or gone
             log.warning("pipetx: the ranks did not all report within %s that they stopped: %s", self.window, error)
             self.broken = True
@@ -89,17 +76,6 @@ class FailureAgreement:
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
-
-
-def _completes_within(work: dist.Work, seconds: float) -> bool:
-    """Whether ``work`` completes within ``seconds``, watched without waiting on it (a gloo wait
-    that times out closes its connections)."""
-    deadline = time.monotonic() + seconds
-    while not work.is_completed():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def log_incomplete_model(rank: int, lacking: list[int], path: str, moving: bool) -> None:
@@ -166,21 +142,17 @@ def stop_after_failure(
     optimizers: list,
     also_waited_in: list[dist.ProcessGroup],
 ) -> bool:
-    """Close ``engine`` after an exception: wake the peers waiting on this rank (in the world's
-    group only where they do not all join the agreement within seconds, or disagree), then the
-    whole model back on every rank where every rank stopped alike (the same layout, no transition
-    under way; returns True), else log what this rank lacks. ``also_waited_in``: groups besides
-    the engine's that a peer may wait in."""
-    world = [dist.group.WORLD] if engine.layout.world_size > 1 else []
-    if world:
+    """Close ``engine`` after an exception: wake the peers waiting on this rank, then the whole
+    model back on every rank where every rank stopped alike (the same layout, no transition under
+    way; returns True), else log what this rank lacks. ``also_waited_in``: groups besides the
+    engine's that a peer may wait in."""
+    if engine.layout.world_size > 1:
         wake_peers(engine.training_groups() + also_waited_in)
     engine.close(restore_weights=False, destroy_groups=False)  # the training groups may be out of step
     state = _stopped_state(engine, moving)
-    if state >= 0 and agreement is not None and agreement.every_rank_failed(state, lambda: wake_peers(world)):
-        retire_transfer_tags()  # on every rank: no message of this run may match a receive of the next one
+    if state >= 0 and agreement is not None and agreement.every_rank_failed(state):
         engine.restore_after_failure(agreement.group, optimizers)
         return True
-    wake_peers(world)
     if not holds_whole_model(engine, moving):
         lacking = [i for i in range(engine.split.num_blocks) if moving or i not in engine.block_range]
         log_incomplete_model(rank, lacking, path, moving)

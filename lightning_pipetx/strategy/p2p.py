@@ -54,22 +54,6 @@ _DTYPES = [
     torch.uint8,
 ]
 _TAG_DATA, _TAG_ACK = 1, 2
-_retired_tags = 0  # tag pairs of runs that stopped on an exception in the world's group, which outlives them
-
-
-def retire_transfer_tags() -> None:
-    """Give the transfers of later runs in this process tags of their own: a message a run that
-    stopped on an exception left unmatched can then never be taken for a later run's. Every rank
-    calls it at the same point (once the ranks agreed that the run stopped)."""
-    global _retired_tags
-    _retired_tags += 1
-
-
-def _tags() -> tuple[int, int]:
-    """The data and acknowledgement tags of this run's transfers."""
-    return _TAG_DATA + 2 * _retired_tags, _TAG_ACK + 2 * _retired_tags
-
-
 STRICT_ENV = "PIPETX_STRICT_P2P"
 COALESCED_ENV = "PIPETX_COALESCED_P2P"
 
@@ -274,9 +258,8 @@ class Channel:
         if not sends and not recvs:
             return
         self.bytes_sent += sum(t.numel() * t.element_size() for t, _ in sends)
-        data, ack = _tags()
-        ops = [dist.P2POp(dist.isend, t, peer, tag=data) for t, peer in sends]
-        ops += [dist.P2POp(dist.irecv, t, peer, tag=data) for t, peer in recvs]
+        ops = [dist.P2POp(dist.isend, t, peer, tag=_TAG_DATA) for t, peer in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, tag=_TAG_DATA) for t, peer in recvs]
         works = _coalesced(ops) if self.coalesced else dist.batch_isend_irecv(ops)
         if meanwhile is not None:
             meanwhile()
@@ -288,7 +271,7 @@ class Channel:
                 self._wait(work, peers, "a batch of hidden states or gradients")
             send_works, recv_works = [None] * len(sends), [None] * len(recvs)
         if self.strict:  # a send completes only when its receiver acknowledges it
-            send_works = [dist.irecv(torch.zeros(1), peer, tag=ack) for _, peer in sends]
+            send_works = [dist.irecv(torch.zeros(1), peer, tag=_TAG_ACK) for _, peer in sends]
         for work, (tensor, peer) in zip(send_works, sends):
             # Keep the tensor alive until the work completes (NCCL reads it asynchronously).
             if work is not None:
@@ -299,7 +282,7 @@ class Channel:
             if work is not None:
                 self._wait(work, peer, "a hidden state or gradient")
             if self.strict:
-                self._outstanding.append((dist.isend(torch.ones(1), peer, tag=ack), peer, tensor))
+                self._outstanding.append((dist.isend(torch.ones(1), peer, tag=_TAG_ACK), peer, tensor))
         if self.strict:
             self.flush()  # a strict batch completes only when every receiver has taken its data
 

@@ -7,8 +7,7 @@ Usage: torchrun --nproc_per_node=N outputs_worker.py OUT_DIR MODE, where MODE is
                  appears late, per-token predictions, a replica without predict batches
   train_list     (2 processes) training_step collects its losses in a list, read at epoch end
   grad_in_eval   (2 processes, 2 stages) predict_step runs a backward (input saliency)
-  fail_all EXC   (2 processes) every rank raises EXC (ValueError | KeyboardInterrupt) at epoch 0's end;
-                 a ValueError is caught, and a DDP fit, then one of the strategy's, follow
+  fail_all EXC   (2 processes) every rank raises EXC (ValueError | KeyboardInterrupt) at epoch 0's end
   fail_one       (2 processes) the last stage raises in its third training step
   repeated_fits  (2 processes) four fits of one model in the same processes: the threads alive and
                  the block list's state_dict hooks after each
@@ -304,19 +303,6 @@ def trainer_for(devices, timeout=60, pipeline_length=2, **kwargs):
     return pl.Trainer(**{**options, **kwargs})
 
 
-def later_fit(strategy):
-    """The steps a fit of a fresh model trains in these processes, under ``strategy``."""
-    if strategy == "ddp":
-        trainer = pl.Trainer(
-            accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        )  # fmt: skip
-    else:
-        trainer = trainer_for(2, pipeline_length=1, max_epochs=1)  # 1x2: every rank runs training_step whole
-    trainer.fit(CollectedLosses(), loader(16, 4, 1))
-    return trainer.global_step
-
-
 def checkpointed_on_exception(out_dir):
     """Trainer options for Lightning's OnExceptionCheckpoint (and its default ModelCheckpoint) in ``out_dir``."""
     return dict(enable_checkpointing=True, default_root_dir=out_dir)
@@ -413,8 +399,6 @@ def main():
         torch.save(model.state_dict(), os.path.join(out_dir, f"weights_rank{rank}.pt"))
         trainer.save_checkpoint(os.path.join(out_dir, "after_failure.ckpt"), weights_only=True)
         trainer.save_checkpoint(os.path.join(out_dir, "full_after_failure.ckpt"))
-        if exception is ValueError:  # caught, as a sweep's loop does: later fits in these processes train
-            report["later_fits"] = [later_fit(strategy) for strategy in ("ddp", "pipetx")]
     elif mode == "ctrl_c":
         model = CtrlCWhileRank0Waits(out_dir)
         on_exception = OnExceptionCheckpoint(out_dir, filename="on_exception")
