@@ -922,10 +922,11 @@ class ElasticPipelineStrategy(DDPStrategy):
             self._agreement = None
         self._stopped_topology = None
         restore_clipping(self.precision_plugin)
-        # The run's engine sits in reference cycles (hooks and closures) with its process groups,
-        # whose gloo threads and connections last as long as the objects: free them now, not at
-        # some later collection (a sweep of fits in the same processes piles them up otherwise).
-        gc.collect()
+        if self.world_size > 1:
+            # The run's engine sits in reference cycles (hooks and closures) with its process groups,
+            # whose gloo threads and connections last as long as the objects: free them now, not at
+            # some later collection (a sweep of fits in the same processes piles them up otherwise).
+            gc.collect()
         super().teardown()
 
 
