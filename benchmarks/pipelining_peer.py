@@ -43,14 +43,15 @@ def torch_worker(args: argparse.Namespace, schedule_name: str) -> None:
     from torch import nn
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+    from lightning_pipetx import find_blocks
+    from lightning_pipetx.strategy.autopipe import block_costs
     from lightning_pipetx.strategy.partition import partition
 
     pipeline_static.keep_freed_memory_if_asked(args)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     vit = pipeline_static.build_module(args).model
-    # ours' first split: the blocks' parameter counts partitioned by the same function
-    bounds = partition([float(sum(p.numel() for p in block.parameters())) for block in vit.blocks], world)
+    bounds = partition(block_costs(find_blocks(vit)), world)  # ours' first split, by the same cost model
     blocks = vit.blocks[bounds[rank][0] : bounds[rank][1]]
 
     class Stage(nn.Module):

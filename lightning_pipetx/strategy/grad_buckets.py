@@ -176,7 +176,7 @@ def make_buckets(
     return [bucket for _, bucket in sorted(buckets, key=lambda item: item[0])]
 
 
-def _peers(group: dist.ProcessGroup | None) -> str:
-    """The other global ranks of ``group`` (None: the world), as text."""
+def _peers(group: dist.ProcessGroup | None) -> list[int]:
+    """The other global ranks of ``group`` (None: the world)."""
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    return " or ".join(str(rank) for rank in ranks if rank != dist.get_rank())
+    return [rank for rank in ranks if rank != dist.get_rank()]

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -266,9 +266,8 @@ class Channel:
         if len(works) == len(ops):  # a work per transfer (gloo)
             send_works, recv_works = works[: len(sends)], works[len(sends) :]
         else:  # NCCL coalesces the batch into one work: it completes every receive (and send) in it
-            peers = " or ".join(str(peer) for peer in sorted({peer for _, peer in sends + recvs}))
             for work in works:
-                self._wait(work, peers, "a batch of hidden states or gradients")
+                self._wait(work, [peer for _, peer in sends + recvs], "a batch of hidden states or gradients")
             send_works, recv_works = [None] * len(sends), [None] * len(recvs)
         if self.strict:  # a send completes only when its receiver acknowledges it
             send_works = [dist.irecv(torch.zeros(1), peer, tag=_TAG_ACK) for _, peer in sends]
@@ -292,21 +291,22 @@ class Channel:
         for work, peer, _ in outstanding:
             self._wait(work, peer, "the receipt of what it was sent")
 
-    def _wait(self, work: dist.Work | CoalescedWork, peer: int | str, what: str) -> None:
+    def _wait(self, work: dist.Work | CoalescedWork, peer: int | Iterable[int], what: str) -> None:
         with waiting_on(peer, what):
             work.wait(self.timeout)
 
 
 @contextlib.contextmanager
-def waiting_on(peer: int | str, what: str) -> Iterator[None]:
-    """Communication with ``peer`` (a global rank, or several as text) for ``what``: a wait that
-    ends in gloo's or NCCL's RuntimeError (the peer died, or stopped answering within the
-    process-group timeout) raises :class:`PeerError` naming it."""
+def waiting_on(peer: int | Iterable[int], what: str) -> Iterator[None]:
+    """Communication with ``peer`` (a global rank, or several) for ``what``: a wait that ends in
+    gloo's or NCCL's RuntimeError (the peer died, or stopped answering within the process-group
+    timeout) raises :class:`PeerError` naming it."""
     try:
         yield
     except RuntimeError as error:
+        peers = " or ".join(str(rank) for rank in sorted({peer} if isinstance(peer, int) else set(peer)))
         raise PeerError(
-            f"rank {dist.get_rank()} lost global rank {peer} while waiting for {what}: {error}. "
+            f"rank {dist.get_rank()} lost global rank {peers} while waiting for {what}: {error}. "
             f"That rank died or stopped answering within the process-group timeout "
             f"(ElasticPipelineStrategy(timeout=...)); see its own log for the cause."
         ) from error

@@ -128,7 +128,7 @@ class BlockMover:
     def transfer(self) -> None:
         """Post every send and receive described so far together, and wait for them."""
         if self._ops:
-            peers = ", ".join(str(peer) for peer in sorted({op.peer for op in self._ops}))
+            peers = [op.peer for op in self._ops]
             for work in dist.batch_isend_irecv(self._ops):
                 with waiting_on(peers, MOVING):
                     work.wait()
