@@ -232,7 +232,8 @@ def test_a_set_up_that_fails_keeps_its_error_and_on_exception_checkpoint_saves_t
     module_class, error, match, tmp_path
 ):
     # Before the engine is built every rank holds the whole model: the save after the error writes it
-    # (it used to fail instead with an error that replaced the set-up's own).
+    # (it used to fail instead with an error that replaced the set-up's own), and so does
+    # trainer.save_checkpoint after fit raised (it used to refuse, calling the model incomplete).
     module = module_class(seed=0)
     saving = OnExceptionCheckpoint(tmp_path)
     trainer = make_trainer(
@@ -240,7 +241,11 @@ def test_a_set_up_that_fails_keeps_its_error_and_on_exception_checkpoint_saves_t
     )
     with pytest.raises(error, match=match):
         trainer.fit(module, DataLoader(RandomVectorDataset(size=16), batch_size=4))
-    saved = torch.load(tmp_path / "on_exception.ckpt", weights_only=False)
-    assert saved["state_dict"].keys() == module.state_dict().keys() and "pipetx" not in saved
-    for key, value in module.state_dict().items():
-        torch.testing.assert_close(saved["state_dict"][key], value)
+    trainer.save_checkpoint(tmp_path / "after_fit.ckpt", weights_only=True)
+    with pytest.raises(RuntimeError, match="its set-up stopped on an error before training began"):
+        str(trainer.strategy.layout)
+    for file in ("on_exception.ckpt", "after_fit.ckpt"):
+        saved = torch.load(tmp_path / file, weights_only=False)
+        assert saved["state_dict"].keys() == module.state_dict().keys() and "pipetx" not in saved
+        for key, value in module.state_dict().items():
+            torch.testing.assert_close(saved["state_dict"][key], value)

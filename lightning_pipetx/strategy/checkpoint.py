@@ -126,18 +126,21 @@ def load_held_weights(module: nn.Module, state: Mapping[str, Any], store: ParamS
 class ClosedRun:
     """What a run left for ``trainer.save_checkpoint`` after it: its last plan once the engine
     closed (every rank then holds every block), whether it was fit's (each rank then still holds
-    the optimizer state of the blocks it ran), and whether it stopped on an error."""
+    the optimizer state of the blocks it ran), whether it stopped on an error, and whether that
+    stop left this rank without some blocks (``incomplete``; a set-up that stopped before the
+    engine was built leaves the model whole, and no plan)."""
 
     def __init__(self) -> None:
         self.plan: Plan | None = None
         self.fit = False
         self.failed = False
+        self.incomplete = False
 
     def plan_after_run(self, running: bool) -> Plan | None:
-        """The closed run's plan, or None while an engine runs."""
+        """The closed run's plan, or None while an engine runs or where none was built."""
         if running:
             return None
-        if self.plan is None and self.failed:
+        if self.incomplete:
             raise RuntimeError(
                 "trainer.save_checkpoint after a run that stopped on an error not every rank stopped with: the "
                 "ranks could not give each other back the blocks they did not run, so the model is incomplete "

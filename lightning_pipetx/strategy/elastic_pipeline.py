@@ -82,6 +82,11 @@ _NOT_RUNNING = (
     "ElasticPipelineStrategy is not running: it is not set up (run it through a Trainer), or its set-up "
     "stopped on an error before training began (the error this one was raised while handling)."
 )
+_LEFT_INCOMPLETE = (
+    "ElasticPipelineStrategy is not running: its last run stopped on an error before this rank got back the "
+    "blocks it did not run (see the error logged at teardown), so it left neither a layout nor a whole model. "
+    "Load the last checkpoint in new processes."
+)
 
 
 def _another_epoch_may_follow(trainer: pl.Trainer) -> bool:
@@ -287,7 +292,7 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def _require_autopipe(self) -> AutoPipe:
         if self.autopipe is None:
-            raise RuntimeError(_NOT_RUNNING)
+            raise self._not_running()
         return self.autopipe
 
     def _running_layout(self) -> Layout | None:
@@ -594,8 +599,11 @@ class ElasticPipelineStrategy(DDPStrategy):
 
     def _require_engine(self) -> PipelineEngine:
         if self.engine is None:
-            raise RuntimeError(_NOT_RUNNING)
+            raise self._not_running()
         return self.engine
+
+    def _not_running(self) -> RuntimeError:
+        return RuntimeError(_LEFT_INCOMPLETE if self._last_run.incomplete else _NOT_RUNNING)
 
     # --------------------------------------------------------------- steps
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -863,6 +871,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         )
         if restored or holds_whole_model(engine, moving):  # weights can be saved
             self._last_run.plan = engine.plan
+        else:
+            self._last_run.incomplete = True
         self._last_run.fit = restored and trainer.state.fn == TrainerFn.FITTING
         return restored
 

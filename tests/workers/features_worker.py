@@ -218,7 +218,13 @@ def main():
             enable_progress_bar=False,
             enable_model_summary=False,
         )
-        trainer.fit(model, loader(32, 4, 1))
+        try:
+            trainer.fit(model, loader(32, 4, 1))
+        finally:  # printed now: a rank whose peer vanished mid-run says why it has no layout left
+            try:
+                print(f"[rank{trainer.global_rank}] layout after the run: {trainer.strategy.layout}", flush=True)
+            except RuntimeError as error:
+                print(f"[rank{trainer.global_rank}] no layout: {error}", flush=True)
     report["rank"] = trainer.global_rank
     with open(os.path.join(out_dir, f"{mode}_rank{trainer.global_rank}.json"), "w") as f:
         json.dump(report, f)
