@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback
 from lightning_pipetx.autocache import AutoCache, CacheControl, CacheFeed, CacheSite, TrainablePrefixError
 from lightning_pipetx.autocache.frozen_weights import FrozenWeightsChangedError, FrozenWeightsGuard, exact_fingerprint
-from lightning_pipetx.autocache.guards import InputGuard
+from lightning_pipetx.autocache.guards import InputGuard, agreed_fingerprints
 from lightning_pipetx.blocks import find_blocks
 from lightning_pipetx.strategy.fingerprint import batch_fingerprint, sample_fingerprints
 from lightning_pipetx.strategy.p2p import Activation
@@ -338,8 +338,16 @@ def test_a_resume_that_moves_to_another_layout_keeps_the_cache(tmp_path):
     run_workers("resume_cache_worker.py", 2, str(tmp_path / "resumed"), str(tmp_path / "full" / "epoch=1.ckpt"))
     full = json.loads((tmp_path / "full" / "report.json").read_text())
     resumed = json.loads((tmp_path / "resumed" / "report.json").read_text())
-    # The cache is not checkpointed: the resumed fit compares the inputs (epoch 2), fills (3), serves (4).
-    assert full["4"] == 1.0 and resumed == {"2": 0.0, "3": 0.0, "4": 1.0}
+    # The states are not checkpointed, the inputs' fingerprints are: the resumed fit fills in epoch 2,
+    # whose batches compare unchanged with the checkpoint's, and serves from epoch 3, to the same weights.
+    assert full["4"] == 1.0 and resumed == {"2": 0.0, "3": 1.0, "4": 1.0}
+    for name, value in torch.load(tmp_path / "full" / "final.pt").items():
+        assert torch.equal(torch.load(tmp_path / "resumed" / "final.pt")[name], value), name
+    # Resumed over other data of the same size: no trust from the checkpoint, and no change of this
+    # run's either (the cache stays on): it compares epoch 3 with epoch 2 and serves from epoch 4.
+    other = tmp_path / "other_data"
+    run_workers("resume_cache_worker.py", 2, str(other), str(tmp_path / "full" / "epoch=1.ckpt"), "other_data")
+    assert json.loads((other / "report.json").read_text()) == {"2": 0.0, "3": 0.0, "4": 1.0}
 
 
 def test_a_resume_after_an_epochs_last_batch_keeps_the_cache_beside_a_validation_loader(tmp_path):
@@ -348,7 +356,7 @@ def test_a_resume_after_an_epochs_last_batch_keeps_the_cache_beside_a_validation
     run_workers("resume_cache_worker.py", 2, str(tmp_path / "full"), "-", "validate", timeout=300)
     resumed = tmp_path / "resumed"
     run_workers("resume_cache_worker.py", 2, str(resumed), str(tmp_path / "full" / "epoch=1.ckpt"), "validate")
-    assert json.loads((resumed / "report.json").read_text()) == {"2": 0.0, "3": 0.0, "4": 1.0}
+    assert json.loads((resumed / "report.json").read_text()) == {"2": 0.0, "3": 1.0, "4": 1.0}
 
 
 def test_dynamic_padding_is_refused_with_a_clear_message(tmp_path, caplog):
@@ -619,6 +627,34 @@ def test_the_input_guard_compares_each_sample_with_the_last_epoch_that_saw_it():
     assert guard.take_counts().tolist() == [2, 1]
     guard.observe(torch.tensor([3]), torch.tensor([7.0], dtype=torch.float64))  # as last seen: unchanged
     assert guard.take_counts().tolist() == [1, 0]
+
+
+def test_fingerprints_restored_from_a_checkpoint_grant_trust_at_the_first_comparison_and_only_trust():
+    saved = InputGuard(num_samples=4, device=torch.device("cpu"))
+    saved.observe(torch.arange(4), torch.arange(4, dtype=torch.float64))
+    saved.take_counts()
+    saved.observe(torch.tensor([1]), torch.tensor([5.0], dtype=torch.float64))  # since the last verdict
+    fingerprints, seen = agreed_fingerprints(saved, world_size=1)
+    assert fingerprints.tolist() == [0.0, 5.0, 2.0, 3.0] and seen.all()
+
+    def resumed(loaded):
+        guard = InputGuard(num_samples=4, device=torch.device("cpu"))
+        guard.restore(fingerprints, seen)
+        assert not guard.judge(*guard.take_counts().tolist())  # the resumed epoch's start: nothing loaded yet
+        guard.observe(torch.arange(2), torch.tensor(loaded, dtype=torch.float64))
+        return guard, guard.judge(*guard.take_counts().tolist())
+
+    guard, changed = resumed([0.0, 5.0])
+    assert guard.trusted and not changed
+    # Other data than the saving run's: no trust, and no change of this run's to switch the cache off for;
+    # the checkpoint's fingerprints are forgotten, also those of samples this rank has not loaded yet.
+    guard, changed = resumed([0.0, 6.0])
+    assert not guard.trusted and not changed
+    guard.observe(torch.arange(4), torch.tensor([0.0, 6.0, 9.0, 9.0], dtype=torch.float64))
+    assert guard.take_counts().tolist() == [2, 0]  # samples 2 and 3: first loaded in this run
+    assert not guard.judge(2, 0) and guard.trusted
+    guard.observe(torch.arange(2), torch.tensor([0.0, 7.0], dtype=torch.float64))  # within this run: a change
+    assert guard.judge(*guard.take_counts().tolist())
 
 
 def _block_pruning(module):

@@ -15,6 +15,7 @@ from lightning_pipetx.autocache.cache import AutoCache
 from lightning_pipetx.autocache.frozen_weights import FrozenWeightsChangedError, FrozenWeightsGuard
 from lightning_pipetx.autocache.guards import (
     TrainablePrefixError,
+    agreed_fingerprints,
     shown_names,
     trainable_prefix_reason,
     trainable_prefix_weights,
@@ -79,13 +80,37 @@ class CacheControl:
         self._validation_refusal: str | None = None
         self._frozen_weights = FrozenWeightsGuard()
         self._device = torch.device("cpu")  # the training device, where collectives run (NCCL: CUDA only)
+        self._restored_fingerprints: dict[str, Any] | None = None  # from the checkpoint a fit resumes from
 
     def open(self, site: CacheSite, num_samples: int) -> AutoCache:
         """The run's training cache on this rank (created once)."""
         if self.cache is None:
             self._device = site.device
             self.cache = self._new(site.run_token, site, num_samples, training=True)
+            restored, self._restored_fingerprints = self._restored_fingerprints, None
+            if restored is not None and restored.get("samples") == num_samples:
+                self.cache.guard.restore(*restored["inputs"])
+                self.cache.prefix_guard.restore(*restored["prefix_inputs"])
         return self.cache
+
+    def fingerprints(self, world_size: int) -> dict[str, Any] | None:
+        """The training cache's input fingerprints over every rank, for a checkpoint (a collective
+        where the training cache exists): a fit resumed from it compares the batches it loads first
+        with them and can serve an epoch sooner (its cached states themselves are not saved)."""
+        cache = self.cache
+        if cache is None:
+            return None
+        state = {
+            "samples": cache.num_samples,
+            "inputs": agreed_fingerprints(cache.guard, world_size),
+            "prefix_inputs": agreed_fingerprints(cache.prefix_guard, world_size),
+        }
+        return state if cache.enabled else None
+
+    def restore_fingerprints(self, state: dict[str, Any] | None) -> None:
+        """Keep :meth:`fingerprints` from a checkpoint for the training cache this fit opens (if its
+        dataset has as many samples); None forgets them."""
+        self._restored_fingerprints = state
 
     def open_eval(self, site: CacheSite, num_samples: int) -> AutoCache:
         """The run's validation cache on this rank (created once)."""

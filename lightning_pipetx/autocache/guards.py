@@ -14,12 +14,15 @@
   frozen blocks (the output of the frozen embeddings), which a ``training_step`` that changes
   its batch before the model call (noise, masking) changes too: that is found one epoch after
   the first one served from the cache, and switches it off. (Only the hidden state is compared:
-  a step that changes only the attention mask is not seen.)
+  a step that changes only the attention mask is not seen.) Checkpoints keep both guards'
+  fingerprints (:func:`agreed_fingerprints`): a resumed fit compares its first epoch with them
+  (:meth:`InputGuard.restore`) instead of waiting for its second.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from lightning_pipetx.blocks import BlockSplit
 
@@ -86,6 +89,8 @@ class InputGuard:
         self._latest_seen = torch.zeros_like(self._earlier_seen)
         self.trusted = False  # one verdict found compared samples and no change
         self._verdicts_to_skip = 0  # verdicts that cannot grant trust (they compared samples loaded before a reload)
+        self._restored = False  # the earlier fingerprints are a checkpointed run's, not yet compared with
+        self._from_restore = torch.zeros_like(self._earlier_seen)  # earlier fingerprints this run has not replaced
 
     def observe(self, indices: torch.Tensor, fingerprints: torch.Tensor) -> None:
         """Record this step's fingerprints (``indices`` on the host); no host synchronisation."""
@@ -105,12 +110,20 @@ class InputGuard:
         counts = torch.stack([compared.sum(), (compared & differs).sum()]).to(torch.float64)
         self._earlier = torch.where(self._latest_seen, latest, earlier)
         self._earlier_seen |= self._latest_seen
+        self._from_restore &= ~self._latest_seen
         self._latest_seen.zero_()
         return counts
 
     def judge(self, compared: float, changed: float) -> bool:
         """Whether an input changed, given the counts of every rank; trusts the inputs once a
-        check compared samples and found none changed."""
+        check compared samples and found none changed. The first check against a checkpointed
+        run's fingerprints (:meth:`restore`) grants trust the same way, but a change it finds is
+        not this run's (its data may have been changed on purpose): it only withholds trust."""
+        if self._restored and compared > 0:  # the first comparison with a checkpointed run's fingerprints
+            self._restored = False
+            if changed > 0:  # other data than that run's: its fingerprints tell nothing, here or on other ranks
+                self._earlier_seen &= ~self._from_restore
+                compared = changed = 0.0
         if self._verdicts_to_skip:
             self._verdicts_to_skip -= 1
         elif changed == 0 and compared > 0:
@@ -123,3 +136,30 @@ class InputGuard:
         before any of them were loaded, reports changes but grants no trust."""
         self.trusted = False
         self._verdicts_to_skip = 1
+
+    def known(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sample's latest fingerprint, and whether one was recorded."""
+        return torch.where(self._latest_seen, self._latest, self._earlier), self._earlier_seen | self._latest_seen
+
+    def restore(self, fingerprints: torch.Tensor, seen: torch.Tensor) -> None:
+        """Start from the fingerprints a checkpointed run recorded (:func:`agreed_fingerprints`): the
+        batches the resumed run loads first are compared with them, so its first verdict can trust
+        the inputs that a fresh guard could trust only an epoch later."""
+        self._earlier = fingerprints.to(self._earlier)
+        self._earlier_seen = seen.to(self._earlier_seen)
+        self._from_restore = self._earlier_seen.clone()
+        self._latest_seen.zero_()
+        self._restored = True
+
+
+def agreed_fingerprints(guard: InputGuard, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``guard``'s known fingerprints over every rank (collective), on the host: each rank saw the
+    samples of its shards. Where ranks recorded different fingerprints for a sample (an input
+    that changed since the last verdict), the largest is kept: the resumed run's later verdicts
+    find such a change as one run's do."""
+    fingerprints, seen = guard.known()
+    merged = torch.where(seen, fingerprints, torch.full_like(fingerprints, -torch.inf))
+    if world_size > 1:
+        dist.all_reduce(merged, op=dist.ReduceOp.MAX)
+    merged = merged.cpu()
+    return torch.nan_to_num(merged, neginf=0.0), torch.isfinite(merged)

@@ -230,6 +230,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._agreement: FailureAgreement | None = None
         self._stopped_topology: Topology | None = None  # the engine's, once an exception stopped it
         self._restored_profile: list[float] | None = None  # block costs from the checkpoint resumed
+        self._fingerprints_to_save: dict[str, Any] | None = None  # AutoCache's, for the checkpoint being written
         self._loader_rebuild = LoaderRebuild()
         self._batch_keys: tuple[Any, Any] = (None, None)  # AutoCache's sample indices of this batch and the next
         self._closure_calls = 0  # training_step calls for this batch (an optimizer may call the closure again)
@@ -780,7 +781,9 @@ class ElasticPipelineStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Lightning's, keeping the block costs the saving run measured for :meth:`setup` (which follows)."""
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        self._restored_profile = (checkpoint.get("pipetx") or {}).get("block_costs")
+        saved = checkpoint.get("pipetx") or {}
+        self._restored_profile = saved.get("block_costs")
+        self._autocache.restore_fingerprints(saved.get("input_fingerprints"))
         return checkpoint
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -810,8 +813,11 @@ class ElasticPipelineStrategy(DDPStrategy):
                     "frozen_blocks": self._frozen,
                     "block_costs": autopipe.costs if autopipe.profiled else None,
                 }
+                if self._fingerprints_to_save is not None:
+                    checkpoint["pipetx"]["input_fingerprints"] = self._fingerprints_to_save
             atomic_save(self.checkpoint_io, checkpoint, filepath, storage_options)
         finally:
+            self._fingerprints_to_save = None
             self._take_back_lent_blocks()
 
     def _take_back_lent_blocks(self) -> None:
@@ -839,6 +845,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         engine.share_pre_buffers()
         prefix = self._split.path + "."
         gathered = engine.block_state(prefix)
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING and not self._private_sites:
+            self._fingerprints_to_save = self._autocache.fingerprints(self.world_size)
         # Until save_checkpoint: every name of a block's tensor (a second name the module gives the
         # blocks, too) and on_save_checkpoint's hooks read the whole model on global rank 0, which
         # writes it, and every key on the others, as under DDP (the other stages' blocks NaN there).
@@ -900,6 +908,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._metrics.remove()
         self._loader_rebuild.remove()
         self._restored_profile = None  # loaded during the run (the learning-rate finder), or before a failed set-up
+        self._autocache.restore_fingerprints(None)  # for a cache this run did not open
         if self._output_checks is not None:
             self._output_checks.remove()
             self._output_checks = None
