@@ -12,7 +12,7 @@ import tiny_models as tm
 import torch
 from distributed import run_workers
 from elastic_cases import reference_run
-from lightning.pytorch.callbacks import ModelPruning
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelPruning
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -37,6 +37,7 @@ def fit(
     watch=(),
     max_steps=-1,
     trainer_kwargs=None,
+    ckpt_path=None,
     **strategy_kwargs,
 ):
     module = module or tm.TinyBertClassifier(seed=0, dropout=0.0)
@@ -52,15 +53,14 @@ def fit(
         max_epochs=epochs,
         max_steps=max_steps,
         callbacks=[freeze, rates, *watch],
-        **(trainer_kwargs or {}),
+        **{"enable_checkpointing": False, **(trainer_kwargs or {})},
         logger=False,
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
     loader = DataLoader(dataset, batch_size=8, shuffle=True, collate_fn=collate_fn, drop_last=drop_last)
-    trainer.fit(module, loader)
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
     return module.state_dict(), rates.rates, trainer
 
 
@@ -620,13 +620,13 @@ def _checked(cache, size=4):
 def test_the_input_guard_compares_each_sample_with_the_last_epoch_that_saw_it():
     guard = InputGuard(num_samples=4, device=torch.device("cpu"))
     guard.observe(torch.arange(4), torch.zeros(4, dtype=torch.float64))
-    assert guard.take_counts().tolist() == [0, 0]  # nothing seen before
+    assert guard.take_counts().tolist() == [0, 0, 0, 0]  # nothing seen before
     guard.observe(torch.tensor([0, 1]), torch.zeros(2, dtype=torch.float64))
-    assert guard.take_counts().tolist() == [2, 0]
+    assert guard.take_counts().tolist() == [2, 0, 0, 0]
     guard.observe(torch.tensor([2, 3]), torch.tensor([0.0, 7.0], dtype=torch.float64))  # 3 changed since epoch 0
-    assert guard.take_counts().tolist() == [2, 1]
+    assert guard.take_counts().tolist() == [2, 1, 0, 0]
     guard.observe(torch.tensor([3]), torch.tensor([7.0], dtype=torch.float64))  # as last seen: unchanged
-    assert guard.take_counts().tolist() == [1, 0]
+    assert guard.take_counts().tolist() == [1, 0, 0, 0]
 
 
 def test_fingerprints_restored_from_a_checkpoint_grant_trust_at_the_first_comparison_and_only_trust():
@@ -637,24 +637,66 @@ def test_fingerprints_restored_from_a_checkpoint_grant_trust_at_the_first_compar
     fingerprints, seen = agreed_fingerprints(saved, world_size=1)
     assert fingerprints.tolist() == [0.0, 5.0, 2.0, 3.0] and seen.all()
 
-    def resumed(loaded):
+    def resumed(loaded, restored=(fingerprints, seen)):
         guard = InputGuard(num_samples=4, device=torch.device("cpu"))
-        guard.restore(fingerprints, seen)
+        guard.restore(*restored)
         assert not guard.judge(*guard.take_counts().tolist())  # the resumed epoch's start: nothing loaded yet
-        guard.observe(torch.arange(2), torch.tensor(loaded, dtype=torch.float64))
-        return guard, guard.judge(*guard.take_counts().tolist())
+        guard.observe(torch.arange(len(loaded)), torch.tensor(loaded, dtype=torch.float64))
+        counts = guard.take_counts().tolist()
+        return guard, counts, guard.judge(*counts)
 
-    guard, changed = resumed([0.0, 5.0])
-    assert guard.trusted and not changed
-    # Other data than the saving run's: no trust, and no change of this run's to switch the cache off for;
-    # the checkpoint's fingerprints are forgotten, also those of samples this rank has not loaded yet.
-    guard, changed = resumed([0.0, 6.0])
-    assert not guard.trusted and not changed
-    guard.observe(torch.arange(4), torch.tensor([0.0, 6.0, 9.0, 9.0], dtype=torch.float64))
-    assert guard.take_counts().tolist() == [2, 0]  # samples 2 and 3: first loaded in this run
-    assert not guard.judge(2, 0) and guard.trusted
-    guard.observe(torch.arange(2), torch.tensor([0.0, 7.0], dtype=torch.float64))  # within this run: a change
-    assert guard.judge(*guard.take_counts().tolist())
+    def next_epoch(guard, loaded):
+        guard.observe(torch.arange(4), torch.tensor(loaded, dtype=torch.float64))
+        counts = guard.take_counts().tolist()
+        return counts, guard.judge(*counts)
+
+    guard, counts, changed = resumed([0.0, 5.0])  # a partial first epoch (a resume mid-epoch)
+    assert counts == [0, 0, 2, 0] and guard.trusted and not changed
+    # Samples 2 and 3 hold other data than the checkpoint's run's: the first comparison ended the
+    # checkpoint's use, so they are compared within this run from their first load here on.
+    assert next_epoch(guard, [0.0, 5.0, 9.0, 9.0]) == ([2, 0, 0, 0], False)
+    # Other data than the saving run's: no trust, and no change of this run's to switch the cache off for.
+    guard, counts, changed = resumed([0.0, 6.0, 9.0, 9.0])
+    assert counts == [0, 0, 4, 3] and not guard.trusted and not changed
+    assert next_epoch(guard, [0.0, 6.0, 9.0, 9.0]) == ([4, 0, 0, 0], False) and guard.trusted
+    assert next_epoch(guard, [0.0, 7.0, 9.0, 9.0]) == ([4, 1, 0, 0], True)  # within this run: a change
+    # A checkpoint written before anything was recorded (the prefix guard's, before the first freeze):
+    # this run's own comparisons count as without it, a change found in them included.
+    nothing = (torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.bool))
+    guard, counts, changed = resumed([0.0, 0.0, 0.0, 0.0], restored=nothing)
+    assert counts == [0, 0, 0, 0] and next_epoch(guard, [1.0, 0.0, 0.0, 0.0]) == ([4, 1, 0, 0], True)
+
+
+class _ChangesTokenFromEpoch3(tm.TinyBertClassifier):
+    """A ``training_step`` that changes what enters the frozen blocks from epoch 3 on (the loader's batches stay)."""
+
+    def training_step(self, batch, batch_idx):
+        if self.current_epoch >= 3:
+            input_ids = batch["input_ids"].clone()
+            input_ids[:, 1] = 1
+            batch = {**batch, "input_ids": input_ids}
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_fit_resumed_before_the_prefix_was_compared_finds_a_step_that_changes_it_as_one_run_does(tmp_path, caplog):
+    # The checkpoint of epoch 1, written as the first blocks froze, holds the inputs' fingerprints and
+    # none of the prefix's (recorded from then on): the resumed fit compares the prefix within its own
+    # epochs, and switches the cache off when the step changes it, with the warning, as one run does.
+    data = tm.RandomTokenDataset(size=32, seed=1)
+    saving = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
+    _, uninterrupted, _ = fit(
+        "auto", data, tmp_path, epochs=6, freeze_interval=2, module=_ChangesTokenFromEpoch3(seed=0, dropout=0.0),
+        watch=[saving], trainer_kwargs={"enable_checkpointing": True},
+    )  # fmt: skip
+    saved = torch.load(tmp_path / "epoch=1.ckpt", weights_only=True)["pipetx"]["input_fingerprints"]
+    assert saved["inputs"][1].all() and not saved["prefix_inputs"][1].any()
+    with caplog.at_level("WARNING", logger="lightning_pipetx"):
+        _, resumed, _ = fit(
+            "auto", data, tmp_path / "resumed", epochs=6, freeze_interval=2,
+            module=_ChangesTokenFromEpoch3(seed=0, dropout=0.0), ckpt_path=tmp_path / "epoch=1.ckpt",
+        )  # fmt: skip
+    assert "what enters the frozen blocks changed between epochs" in caplog.text
+    assert uninterrupted == [None, None, 0.0, 1.0, 0.0, 0.0] and resumed == uninterrupted[2:]
 
 
 def _block_pruning(module):
@@ -790,7 +832,7 @@ def test_the_prefix_guard_tolerates_a_relative_difference_below_its_tolerance():
     guard.observe(torch.arange(2), torch.tensor([1000.0, 1000.0], dtype=torch.float64))
     guard.take_counts()
     guard.observe(torch.arange(2), torch.tensor([1000.05, 1000.5], dtype=torch.float64))
-    assert guard.take_counts().tolist() == [2, 1]
+    assert guard.take_counts().tolist() == [2, 1, 0, 0]
 
 
 def test_old_depths_files_are_freed_when_the_depth_grows(tmp_path):

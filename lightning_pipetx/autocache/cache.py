@@ -165,13 +165,16 @@ class AutoCache:
         if group_size > 1:
             dist.all_reduce(flags)
             self._agree_prefix_input_shape(group_size)
-        compared, changed, prefix_compared, prefix_changed, disabled, *layout_flags = flags.tolist()
+        values = flags.tolist()
+        inputs, prefix_inputs, (disabled, *layout_flags) = values[:4], values[4:8], values[8:]
         self.layout.agree(layout_flags[:2])
         slow_flags = layout_flags[2:]
         served = self.guard.trusted  # since the last verdict: an input changed since then may have been served stale
-        if self.guard.judge(compared, changed):
+        input_changed = self.guard.judge(*inputs)
+        prefix_input_changed = self.prefix_guard.judge(*prefix_inputs)  # both judged: each ends its checkpoint's use
+        if input_changed:
             self._changed(CHANGED_INPUT + (SERVED_STALE if served else ""))
-        elif self.prefix_guard.judge(prefix_compared, prefix_changed):
+        elif prefix_input_changed:
             if not self.layout.unproven:
                 self._changed(CHANGED_PREFIX_INPUT + ("" if self.strict else SERVED_STALE))  # strict: never served
             elif not disabled:  # its rows may be no samples (never served); on every rank alike

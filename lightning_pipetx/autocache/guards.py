@@ -89,8 +89,7 @@ class InputGuard:
         self._latest_seen = torch.zeros_like(self._earlier_seen)
         self.trusted = False  # one verdict found compared samples and no change
         self._verdicts_to_skip = 0  # verdicts that cannot grant trust (they compared samples loaded before a reload)
-        self._restored = False  # the earlier fingerprints are a checkpointed run's, not yet compared with
-        self._from_restore = torch.zeros_like(self._earlier_seen)  # earlier fingerprints this run has not replaced
+        self._from_checkpoint = torch.zeros_like(self._earlier_seen)  # earlier fingerprints a checkpoint gave
 
     def observe(self, indices: torch.Tensor, fingerprints: torch.Tensor) -> None:
         """Record this step's fingerprints (``indices`` on the host); no host synchronisation."""
@@ -99,31 +98,33 @@ class InputGuard:
         self._latest_seen[indices] = True
 
     def take_counts(self) -> torch.Tensor:
-        """``[samples compared, samples changed]`` since the last call (on the device): each
-        sample recorded since then against its fingerprint from before it."""
+        """``[compared, changed, compared with the checkpoint, changed since the checkpoint]`` since
+        the last call (on the device): each sample recorded since then against its fingerprint
+        from before it, counted apart where that fingerprint came from a checkpoint (:meth:`restore`)."""
         earlier, latest = self._earlier, self._latest
         compared = self._earlier_seen & self._latest_seen
         if self.tolerance:
             differs = (earlier - latest).abs() > self.tolerance * (earlier.abs() + 1.0)
         else:
             differs = earlier != latest
-        counts = torch.stack([compared.sum(), (compared & differs).sum()]).to(torch.float64)
+        restored, own = compared & self._from_checkpoint, compared & ~self._from_checkpoint
+        counts = torch.stack([own.sum(), (own & differs).sum(), restored.sum(), (restored & differs).sum()])
         self._earlier = torch.where(self._latest_seen, latest, earlier)
         self._earlier_seen |= self._latest_seen
-        self._from_restore &= ~self._latest_seen
+        self._from_checkpoint &= ~self._latest_seen
         self._latest_seen.zero_()
-        return counts
+        return counts.to(torch.float64)
 
-    def judge(self, compared: float, changed: float) -> bool:
-        """Whether an input changed, given the counts of every rank; trusts the inputs once a
-        check compared samples and found none changed. The first check against a checkpointed
-        run's fingerprints (:meth:`restore`) grants trust the same way, but a change it finds is
-        not this run's (its data may have been changed on purpose): it only withholds trust."""
-        if self._restored and compared > 0:  # the first comparison with a checkpointed run's fingerprints
-            self._restored = False
-            if changed > 0:  # other data than that run's: its fingerprints tell nothing, here or on other ranks
-                self._earlier_seen &= ~self._from_restore
-                compared = changed = 0.0
+    def judge(self, compared: float, changed: float, restored: float = 0.0, restored_changed: float = 0.0) -> bool:
+        """Whether an input changed, given the counts of every rank (:meth:`take_counts`); trusts
+        the inputs once a check compared samples and found none changed. The first check that
+        compares with a checkpointed run's fingerprints counts them for trust only where none
+        changed, never as a change (that run's data may have been changed on purpose), and ends
+        their use on every rank: the samples not loaded yet are compared within this run."""
+        if restored > 0:
+            self._earlier_seen &= ~self._from_checkpoint
+            self._from_checkpoint.zero_()
+            compared += restored if restored_changed == 0 else 0.0
         if self._verdicts_to_skip:
             self._verdicts_to_skip -= 1
         elif changed == 0 and compared > 0:
@@ -145,11 +146,10 @@ class InputGuard:
         """Start from the fingerprints a checkpointed run recorded (:func:`agreed_fingerprints`): the
         batches the resumed run loads first are compared with them, so its first verdict can trust
         the inputs that a fresh guard could trust only an epoch later."""
-        self._earlier = fingerprints.to(self._earlier)
-        self._earlier_seen = seen.to(self._earlier_seen)
-        self._from_restore = self._earlier_seen.clone()
+        self._earlier = fingerprints.to(self._earlier, copy=True)
+        self._earlier_seen = seen.to(self._earlier_seen, copy=True)
+        self._from_checkpoint = self._earlier_seen.clone()
         self._latest_seen.zero_()
-        self._restored = True
 
 
 def agreed_fingerprints(guard: InputGuard, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -845,7 +845,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         engine.share_pre_buffers()
         prefix = self._split.path + "."
         gathered = engine.block_state(prefix)
-        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING and not self._private_sites:
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._frozen > 0 and not self._private_sites:  # for AutoCache after a resume
             self._fingerprints_to_save = self._autocache.fingerprints(self.world_size)
         # Until save_checkpoint: every name of a block's tensor (a second name the module gives the
         # blocks, too) and on_save_checkpoint's hooks read the whole model on global rank 0, which
