@@ -630,12 +630,20 @@ def test_the_input_guard_compares_each_sample_with_the_last_epoch_that_saw_it():
 
 
 def test_fingerprints_restored_from_a_checkpoint_grant_trust_at_the_first_comparison_and_only_trust():
-    saved = InputGuard(num_samples=4, device=torch.device("cpu"))
-    saved.observe(torch.arange(4), torch.arange(4, dtype=torch.float64))
-    saved.take_counts()
-    saved.observe(torch.tensor([1]), torch.tensor([5.0], dtype=torch.float64))  # since the last verdict
-    fingerprints, seen = agreed_fingerprints(saved, world_size=1)
-    assert fingerprints.tolist() == [0.0, 5.0, 2.0, 3.0] and seen.all()
+    def guard_after(*epochs):
+        guard = InputGuard(num_samples=4, device=torch.device("cpu"))
+        for number, loaded in enumerate(epochs):
+            if number:
+                guard.judge(*guard.take_counts().tolist())
+            guard.observe(torch.arange(len(loaded)), torch.tensor(loaded, dtype=torch.float64))
+        return guard
+
+    # Kept where the saving run showed its inputs unchanged from one epoch to the next (here: half of
+    # epoch 1 as epoch 0, its verdict still to come); not where it had compared nothing yet, or changed.
+    fingerprints, seen = agreed_fingerprints(guard_after([0.0, 1.0, 2.0, 3.0], [0.0, 1.0]), world_size=1)
+    assert fingerprints.tolist() == [0.0, 1.0, 2.0, 3.0] and seen.all()
+    assert not agreed_fingerprints(guard_after([0.0, 1.0, 2.0, 3.0]), world_size=1)[1].any()
+    assert not agreed_fingerprints(guard_after([0.0, 1.0, 2.0, 3.0], [0.0, 5.0]), world_size=1)[1].any()
 
     def resumed(loaded, restored=(fingerprints, seen)):
         guard = InputGuard(num_samples=4, device=torch.device("cpu"))
@@ -650,11 +658,11 @@ def test_fingerprints_restored_from_a_checkpoint_grant_trust_at_the_first_compar
         counts = guard.take_counts().tolist()
         return counts, guard.judge(*counts)
 
-    guard, counts, changed = resumed([0.0, 5.0])  # a partial first epoch (a resume mid-epoch)
+    guard, counts, changed = resumed([0.0, 1.0])  # a partial first epoch (a resume mid-epoch)
     assert counts == [0, 0, 2, 0] and guard.trusted and not changed
     # Samples 2 and 3 hold other data than the checkpoint's run's: the first comparison ended the
     # checkpoint's use, so they are compared within this run from their first load here on.
-    assert next_epoch(guard, [0.0, 5.0, 9.0, 9.0]) == ([2, 0, 0, 0], False)
+    assert next_epoch(guard, [0.0, 1.0, 9.0, 9.0]) == ([2, 0, 0, 0], False)
     # Other data than the saving run's: no trust, and no change of this run's to switch the cache off for.
     guard, counts, changed = resumed([0.0, 6.0, 9.0, 9.0])
     assert counts == [0, 0, 4, 3] and not guard.trusted and not changed
@@ -690,13 +698,51 @@ def test_a_fit_resumed_before_the_prefix_was_compared_finds_a_step_that_changes_
     )  # fmt: skip
     saved = torch.load(tmp_path / "epoch=1.ckpt", weights_only=True)["pipetx"]["input_fingerprints"]
     assert saved["inputs"][1].all() and not saved["prefix_inputs"][1].any()
+    caplog.clear()
     with caplog.at_level("WARNING", logger="lightning_pipetx"):
         _, resumed, _ = fit(
             "auto", data, tmp_path / "resumed", epochs=6, freeze_interval=2,
             module=_ChangesTokenFromEpoch3(seed=0, dropout=0.0), ckpt_path=tmp_path / "epoch=1.ckpt",
         )  # fmt: skip
     assert "what enters the frozen blocks changed between epochs" in caplog.text
+    assert "The last epoch may have used states cached from an earlier one" in caplog.text
     assert uninterrupted == [None, None, 0.0, 1.0, 0.0, 0.0] and resumed == uninterrupted[2:]
+
+
+class _NoisedPerLoad(torch.utils.data.Dataset):
+    """Every load of a sample differs from its last: one token drawn from (index, how often this
+    process loaded it), so a process that starts again replays the first epoch's inputs."""
+
+    def __init__(self):
+        self.base, self.loads = tm.RandomTokenDataset(size=32, seed=1), [0] * 32
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, index):
+        generator = torch.Generator().manual_seed(1000 * index + self.loads[index])
+        self.loads[index] += 1
+        sample = dict(self.base[index])
+        sample["input_ids"] = sample["input_ids"].clone()
+        position, token = (
+            torch.randint(1, 16, (1,), generator=generator),
+            torch.randint(1, 100, (1,), generator=generator),
+        )
+        sample["input_ids"][position] = token
+        return sample
+
+
+def test_a_checkpoint_keeps_no_fingerprints_of_inputs_its_run_had_not_shown_unchanged(tmp_path):
+    # Written after epoch 0 (blocks froze), before any two epochs were compared: a resumed fit's first
+    # epoch replays epoch 0's inputs here, and trusting it would serve epoch-1 states to other inputs.
+    saving = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
+    fit("auto", _NoisedPerLoad(), tmp_path, watch=[saving], trainer_kwargs={"enable_checkpointing": True})
+    checkpoint = tmp_path / "epoch=0.ckpt"
+    saved = torch.load(checkpoint, weights_only=True)["pipetx"]
+    assert saved["frozen_blocks"] > 0 and not saved["input_fingerprints"]["inputs"][1].any()
+    uncached, _, _ = fit(False, _NoisedPerLoad(), tmp_path / "uncached", ckpt_path=checkpoint)
+    cached, _, _ = fit("auto", _NoisedPerLoad(), tmp_path / "cached", ckpt_path=checkpoint)
+    _same(cached, uncached)
 
 
 def _block_pruning(module):

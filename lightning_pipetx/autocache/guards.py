@@ -15,7 +15,8 @@
   its batch before the model call (noise, masking) changes too: that is found one epoch after
   the first one served from the cache, and switches it off. (Only the hidden state is compared:
   a step that changes only the attention mask is not seen.) Checkpoints keep both guards'
-  fingerprints (:func:`agreed_fingerprints`): a resumed fit compares its first epoch with them
+  fingerprints where the run had shown them unchanged from epoch to epoch
+  (:func:`agreed_fingerprints`): a resumed fit compares its first epoch with them
   (:meth:`InputGuard.restore`) instead of waiting for its second.
 """
 
@@ -97,16 +98,19 @@ class InputGuard:
         self._latest[indices] = fingerprints
         self._latest_seen[indices] = True
 
+    def differ(self, earlier: torch.Tensor, latest: torch.Tensor) -> torch.Tensor:
+        """Where two fingerprints of the same samples count as a change."""
+        if self.tolerance:
+            return (earlier - latest).abs() > self.tolerance * (earlier.abs() + 1.0)
+        return earlier != latest
+
     def take_counts(self) -> torch.Tensor:
         """``[compared, changed, compared with the checkpoint, changed since the checkpoint]`` since
         the last call (on the device): each sample recorded since then against its fingerprint
         from before it, counted apart where that fingerprint came from a checkpoint (:meth:`restore`)."""
         earlier, latest = self._earlier, self._latest
         compared = self._earlier_seen & self._latest_seen
-        if self.tolerance:
-            differs = (earlier - latest).abs() > self.tolerance * (earlier.abs() + 1.0)
-        else:
-            differs = earlier != latest
+        differs = self.differ(earlier, latest)
         restored, own = compared & self._from_checkpoint, compared & ~self._from_checkpoint
         counts = torch.stack([own.sum(), (own & differs).sum(), restored.sum(), (restored & differs).sum()])
         self._earlier = torch.where(self._latest_seen, latest, earlier)
@@ -142,6 +146,17 @@ class InputGuard:
         """Each sample's latest fingerprint, and whether one was recorded."""
         return torch.where(self._latest_seen, self._latest, self._earlier), self._earlier_seen | self._latest_seen
 
+    def pending_counts(self) -> torch.Tensor:
+        """``[compared, changed]`` of the verdict still to come, without taking it (on the device)."""
+        compared = self._earlier_seen & self._latest_seen
+        changed = compared & self.differ(self._earlier, self._latest)
+        return torch.stack([compared.sum(), changed.sum()]).to(torch.float64)
+
+    def shows_stable(self, compared: float, changed: float) -> bool:
+        """Whether the inputs were shown unchanged from one epoch to the next, given the pending
+        counts of every rank: trusted, or about to be, with no change pending."""
+        return changed == 0 and (self.trusted or (compared > 0 and not self._verdicts_to_skip))
+
     def restore(self, fingerprints: torch.Tensor, seen: torch.Tensor) -> None:
         """Start from the fingerprints a checkpointed run recorded (:func:`agreed_fingerprints`): the
         batches the resumed run loads first are compared with them, so its first verdict can trust
@@ -154,12 +169,21 @@ class InputGuard:
 
 def agreed_fingerprints(guard: InputGuard, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``guard``'s known fingerprints over every rank (collective), on the host: each rank saw the
-    samples of its shards. Where ranks recorded different fingerprints for a sample (an input
-    that changed since the last verdict), the largest is kept: the resumed run's later verdicts
-    find such a change as one run's do."""
+    samples of its shards. Kept only where this run had shown its inputs unchanged from one epoch
+    to the next (:meth:`InputGuard.shows_stable`; two ranks that recorded different fingerprints
+    for a sample count as a change), so that a fit resumed from them continues that comparison of
+    consecutive epochs; else none are kept (a fresh guard's start, as without a checkpoint)."""
     fingerprints, seen = guard.known()
-    merged = torch.where(seen, fingerprints, torch.full_like(fingerprints, -torch.inf))
+    highest = torch.where(seen, fingerprints, torch.full_like(fingerprints, -torch.inf))
+    lowest = torch.where(seen, fingerprints, torch.full_like(fingerprints, torch.inf))
+    pending = guard.pending_counts()
     if world_size > 1:
-        dist.all_reduce(merged, op=dist.ReduceOp.MAX)
-    merged = merged.cpu()
-    return torch.nan_to_num(merged, neginf=0.0), torch.isfinite(merged)
+        dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+        dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+        dist.all_reduce(pending)
+    seen = torch.isfinite(highest)
+    disagree = int((seen & guard.differ(highest, lowest)).sum())
+    compared, changed = pending.tolist()
+    if not guard.shows_stable(compared, changed + disagree):
+        return torch.zeros_like(highest, device="cpu"), torch.zeros_like(seen, device="cpu")
+    return torch.nan_to_num(highest, neginf=0.0).cpu(), seen.cpu()
