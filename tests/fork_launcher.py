@@ -4,7 +4,8 @@ Starting a worker process costs about 7 seconds of imports on the test machines,
 two-process ``torchrun`` launch of a tiny run spends most of its time importing. This server,
 started once per test session by :func:`distributed.run_workers`, imports what every worker
 imports and then forks one child per launch; that child forks the ranks and watches them as
-``torchrun`` does (the first rank that fails has the others terminated). Each rank gets the
+``torchrun`` does (the first rank that fails has the others terminated, after a few seconds
+in which they may end by themselves). Each rank gets the
 environment ``torchrun`` gives (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, ...),
 its own random seeds, Lightning's rank for ``rank_zero_only``, and runs the worker script as
 ``__main__``; its process group is a real gloo group, created from that environment.
@@ -43,6 +44,9 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 import lightning_pipetx  # noqa: F401
 
 TERMINATE_GRACE_SECONDS = 30.0  # as torchrun: SIGTERM to the remaining ranks, SIGKILL after this
+# Before that, the remaining ranks may end by themselves: a rank raising the same error as the first
+# reports it (its traceback) a little later, on a busy machine after the first rank has exited.
+SETTLE_SECONDS = 5.0
 POLL_SECONDS = 0.05
 
 
@@ -115,7 +119,8 @@ def _launch(request: dict) -> int:
 
 
 def _watch(pids: set[int]) -> int:
-    """Wait for every rank; when one fails, terminate the others (torchrun's exit status: 1)."""
+    """Wait for every rank; when one fails, terminate the others (torchrun's exit status: 1)
+    unless they end within ``SETTLE_SECONDS``."""
     failed = False
     while pids:
         pid, status = os.waitpid(-1, os.WNOHANG)
@@ -125,21 +130,27 @@ def _watch(pids: set[int]) -> int:
         pids.discard(pid)
         if os.waitstatus_to_exitcode(status) != 0 and not failed:
             failed = True
+            _wait_for(pids, SETTLE_SECONDS)
             _terminate(pids)
     return 1 if failed else 0
 
 
-def _terminate(pids: set[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + TERMINATE_GRACE_SECONDS
+def _wait_for(pids: set[int], seconds: float) -> None:
+    """Reap the ranks of ``pids`` that end within ``seconds``."""
+    deadline = time.monotonic() + seconds
     while pids and time.monotonic() < deadline:
         pid, _ = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             time.sleep(POLL_SECONDS)
         else:
             pids.discard(pid)
+
+
+def _terminate(pids: set[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    _wait_for(pids, TERMINATE_GRACE_SECONDS)
     for pid in list(pids):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
