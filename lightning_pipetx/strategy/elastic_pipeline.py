@@ -779,7 +779,8 @@ class ElasticPipelineStrategy(DDPStrategy):
         return gather_optimizer_state(optimizer, blocks, plan, self.global_rank, self.root_device, group)
 
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Lightning's, keeping the block costs the saving run measured for :meth:`setup` (which follows)."""
+        """Lightning's, keeping the block costs the saving run measured for :meth:`setup` (which follows)
+        and its AutoCache fingerprints for the training cache this fit opens."""
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         saved = checkpoint.get("pipetx") or {}
         self._restored_profile = saved.get("block_costs")
