@@ -226,6 +226,37 @@ def test_an_exception_on_one_rank_ends_every_rank_with_the_whole_model(tmp_path)
     _assert_whole_and_trained(saved)
 
 
+def test_a_second_fit_whose_set_up_fails_saves_the_whole_weights_and_no_partial_optimizer_state(tmp_path):
+    # The first fit left each rank the optimizer state of its own stage's blocks; the second stops
+    # before building its engine: its weights are whole, its optimizers may still be the first fit's.
+    run_workers("outputs_worker.py", 2, str(tmp_path), "second_set_up_fails")
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"second_set_up_fails_rank{rank}.json").read_text())
+        assert report["second_fit"] == "the second fit's configure_optimizers failed"
+        assert (
+            "the optimizers may still be the last fit's" in report["refused"]
+            and "weights_only=True" in report["refused"]
+        )
+    assert not (tmp_path / "with_optimizer.ckpt").exists()
+    saved = torch.load(tmp_path / "weights.ckpt", weights_only=True)["state_dict"]
+    _assert_whole_and_trained(saved)
+    for rank in (0, 1):  # every rank holds the whole model, as saved
+        for name, value in torch.load(tmp_path / f"weights_rank{rank}.pt", weights_only=True).items():
+            assert torch.equal(value, saved[name]), name
+
+
+def test_a_return_of_the_blocks_that_breaks_off_half_way_leaves_saves_refused(tmp_path):
+    # After an exception on every rank the ranks give each other back their blocks; where that breaks
+    # off (a peer lost in it), a rank's other-stage blocks are unfilled memory: no save may write them.
+    run_workers("outputs_worker.py", 2, str(tmp_path), "restore_raises")
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"restore_raises_rank{rank}.json").read_text())
+        assert report["fit"] == "a peer was lost while the blocks were given back"
+        assert "the model is incomplete" in report["refused"]
+        assert "its last run stopped on an error before this rank got back the blocks" in report["no_layout"]
+    assert not (tmp_path / "weights.ckpt").exists()
+
+
 def _assert_whole_and_trained(state):
     """Every weight of ``state`` finite and moved from its initial value."""
     initial = tiny_bert(seed=0, dropout=0.0).state_dict()

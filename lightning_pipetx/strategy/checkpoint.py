@@ -148,6 +148,17 @@ class ClosedRun:
             )
         return self.plan
 
+    def check_optimizer_state_without_plan(self, world_size: int) -> None:
+        """Refuse optimizer state after a set-up that stopped on an error on several processes (no
+        engine, so no plan): its optimizers may still be an earlier fit's, each rank holding the state
+        of its own blocks only. The weights are whole."""
+        if self.failed and world_size > 1:
+            raise RuntimeError(
+                "trainer.save_checkpoint after a set-up that stopped on an error under ElasticPipelineStrategy on "
+                "several processes: the optimizers may still be the last fit's, each rank holding the state of its "
+                "own blocks only. Pass weights_only=True (the weights are whole)."
+            )
+
     def check_optimizer_state(self, fitting: bool) -> None:
         """Refuse to save optimizer state that no rank holds whole: after validate, test, predict or a failed fit."""
         if not (fitting or self.fit):

@@ -772,6 +772,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
         plan = self._saving_plan()
         if plan is None:
+            self._last_run.check_optimizer_state_without_plan(self.world_size)
             return optimizer.state_dict()
         fitting = self.engine is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         self._last_run.check_optimizer_state(fitting)
@@ -876,13 +877,12 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._last_run.failed = True
         path, moving = self._split.path, self._autodp.moving
         waited_in = self._metrics.waited_in()  # a reduction of the epoch's values logged before a transition
+        self._last_run.incomplete = True  # until the blocks are back (the restore may raise half-way)
         restored = stop_after_failure(
             engine, self._agreement, moving, self.global_rank, path, self.optimizers, waited_in
         )
         if restored or holds_whole_model(engine, moving):  # weights can be saved
-            self._last_run.plan = engine.plan
-        else:
-            self._last_run.incomplete = True
+            self._last_run.plan, self._last_run.incomplete = engine.plan, False
         self._last_run.fit = restored and trainer.state.fn == TrainerFn.FITTING
         return restored
 
@@ -911,6 +911,7 @@ class ElasticPipelineStrategy(DDPStrategy):
         self._loader_rebuild.remove()
         self._restored_profile = None  # loaded during the run (the learning-rate finder), or before a failed set-up
         self._autocache.restore_fingerprints(None)  # for a cache this run did not open
+        self._fingerprints_to_save = None  # of a checkpoint whose writing stopped on an error
         if self._output_checks is not None:
             self._output_checks.remove()
             self._output_checks = None

@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader
 from worker_exit import run_worker
 
 from lightning_pipetx import ElasticPipelineStrategy, FreezeCallback, find_blocks
-from lightning_pipetx.strategy import transition
+from lightning_pipetx.strategy import engine, transition
 
 
 def pad_to_longest(samples):
@@ -49,6 +49,24 @@ def pad_to_longest(samples):
 
 def loader(size, batch_size, seed):
     return DataLoader(RandomTokenDataset(size=size, seed=seed), batch_size=batch_size, collate_fn=pad_to_longest)
+
+
+class SecondSetUpFails(pl.LightningModule):
+    """Trains once; the next fit's configure_optimizers raises (``fail``)."""
+
+    fail = False
+
+    def __init__(self):
+        super().__init__()
+        self.model = tiny_bert(seed=0, dropout=0.0)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch).loss
+
+    def configure_optimizers(self):
+        if self.fail:
+            raise ValueError("the second fit's configure_optimizers failed")
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
 class Recipes(pl.LightningModule):
@@ -444,6 +462,44 @@ def main():
             trainer_for(2, max_epochs=1).fit(model, loader(16, 4, 1))
             report["threads_after_fit"].append(len(os.listdir("/proc/self/task")))
             report["state_dict_hooks_after_fit"].append(len(blocks._state_dict_hooks))
+    elif mode == "second_set_up_fails":  # a second fit on the same Trainer stops in configure_optimizers
+        model = SecondSetUpFails()
+        trainer = trainer_for(2, max_epochs=1)
+        trainer.fit(model, loader(16, 4, 1))
+        model.fail = True
+        trainer.fit_loop.max_epochs = 2
+        try:
+            trainer.fit(model, loader(16, 4, 1))
+        except ValueError as error:
+            report["second_fit"] = str(error)
+        try:
+            trainer.save_checkpoint(os.path.join(out_dir, "with_optimizer.ckpt"))
+        except RuntimeError as error:
+            report["refused"] = str(error)
+        trainer.save_checkpoint(os.path.join(out_dir, "weights.ckpt"), weights_only=True)
+        torch.save(model.state_dict(), os.path.join(out_dir, f"weights_rank{rank}.pt"))
+    elif mode == "restore_raises":  # the blocks' return after an agreed failure breaks off half-way
+
+        def restore_half_way(self, group, optimizers):
+            for block in self.store.blocks:
+                for parameter in block.parameters():
+                    self.store.materialize(parameter)  # memory for the blocks of the other stage, never filled
+            raise RuntimeError("a peer was lost while the blocks were given back")
+
+        engine.PipelineEngine.restore_after_failure = restore_half_way
+        trainer = trainer_for(2, max_epochs=2, callbacks=[RaiseAtEpochEnd(ValueError)])
+        try:
+            trainer.fit(SecondSetUpFails(), loader(16, 4, 1))
+        except RuntimeError as error:
+            report["fit"] = str(error)
+        try:
+            trainer.save_checkpoint(os.path.join(out_dir, "weights.ckpt"), weights_only=True)
+        except RuntimeError as error:
+            report["refused"] = str(error)
+        try:
+            report["layout"] = str(trainer.strategy.layout)
+        except RuntimeError as error:
+            report["no_layout"] = str(error)
     elif mode == "fail_one":
         trainer = trainer_for(2, timeout=45, max_epochs=1)
         try:
