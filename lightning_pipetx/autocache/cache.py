@@ -155,9 +155,10 @@ class AutoCache:
         self.flush_writes()
         self._adopt_shared_depths()
         slow = self.watch.slower_than_compute(max(self._depths, default=0))
+        counts = self.guard.take_counts().cpu()
         flags = torch.cat(
             [
-                self.guard.take_counts().cpu(),
+                counts,
                 self.prefix_guard.take_counts().cpu(),
                 torch.tensor([float(not self.enabled), *self.layout.flags()] + [float(n in slow) for n in TIER_NAMES]),
             ]
@@ -165,8 +166,8 @@ class AutoCache:
         if group_size > 1:
             dist.all_reduce(flags)
             self._agree_prefix_input_shape(group_size)
-        values = flags.tolist()
-        inputs, prefix_inputs, (disabled, *layout_flags) = values[:4], values[4:8], values[8:]
+        values, n = flags.tolist(), len(counts)
+        inputs, prefix_inputs, (disabled, *layout_flags) = values[:n], values[n : 2 * n], values[2 * n :]
         self.layout.agree(layout_flags[:2])
         slow_flags = layout_flags[2:]
         served = self.guard.trusted  # since the last verdict: an input changed since then may have been served stale

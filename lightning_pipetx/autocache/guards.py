@@ -108,12 +108,10 @@ class InputGuard:
         """``[compared, changed, compared with the checkpoint, changed since the checkpoint]`` since
         the last call (on the device): each sample recorded since then against its fingerprint
         from before it, counted apart where that fingerprint came from a checkpoint (:meth:`restore`)."""
-        earlier, latest = self._earlier, self._latest
-        compared = self._earlier_seen & self._latest_seen
-        differs = self.differ(earlier, latest)
+        compared, changed = self._pending()
         restored, own = compared & self._from_checkpoint, compared & ~self._from_checkpoint
-        counts = torch.stack([own.sum(), (own & differs).sum(), restored.sum(), (restored & differs).sum()])
-        self._earlier = torch.where(self._latest_seen, latest, earlier)
+        counts = torch.stack([own.sum(), (own & changed).sum(), restored.sum(), (restored & changed).sum()])
+        self._earlier = torch.where(self._latest_seen, self._latest, self._earlier)
         self._earlier_seen |= self._latest_seen
         self._from_checkpoint &= ~self._latest_seen
         self._latest_seen.zero_()
@@ -146,10 +144,14 @@ class InputGuard:
         """Each sample's latest fingerprint, and whether one was recorded."""
         return torch.where(self._latest_seen, self._latest, self._earlier), self._earlier_seen | self._latest_seen
 
+    def _pending(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The samples the verdict still to come compares, and those of them that changed (masks)."""
+        compared = self._earlier_seen & self._latest_seen
+        return compared, compared & self.differ(self._earlier, self._latest)
+
     def pending_counts(self) -> torch.Tensor:
         """``[compared, changed]`` of the verdict still to come, without taking it (on the device)."""
-        compared = self._earlier_seen & self._latest_seen
-        changed = compared & self.differ(self._earlier, self._latest)
+        compared, changed = self._pending()
         return torch.stack([compared.sum(), changed.sum()]).to(torch.float64)
 
     def shows_stable(self, compared: float, changed: float) -> bool:
